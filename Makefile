@@ -1,0 +1,33 @@
+# verl-sat developer commands. `make install` is idempotent: it re-runs only when setup.py changes.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.verl-sat-installed
+
+.PHONY: install doctor test bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# the CPU build of torch lies on disk; install it first so nothing pulls a CUDA build
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+doctor: install
+	$(VENV)/bin/verl-sat doctor
+
+test: install
+	$(PY) -m pytest tests -q
+
+bench: install
+	$(PY) benchmarks/bench_losses.py
+
+lint: install
+	$(VENV)/bin/ruff check verl_sat tests benchmarks setup.py
+	$(VENV)/bin/ruff format --check verl_sat tests benchmarks setup.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,56 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""verl-sat: Staleness-Adaptive Trust Region (SAT) policy losses and routing replay as verl plugins."""
+
+from setuptools import find_packages, setup
+
+# torch is installed first by `make install` from the local CPU build (torch==2.13.0); the range here
+# only makes sure pip never replaces it with another build.
+install_requires = [
+    "verl==0.9.1",
+    "torch>=2.6",
+    "hydra-core>=1.3",
+    "omegaconf>=2.3",
+]
+
+extras_require = {
+    # GPU-cluster extras map onto verl's own extras; tests never need them.
+    "sglang": ["verl[sglang]==0.9.1"],
+    "vllm": ["verl[vllm]==0.9.1"],
+    "megatron": ["verl[megatron]==0.9.1"],
+    "gpu": ["verl[flash-attn-cu130torch211]==0.9.1"],
+    "test": ["pytest>=8", "ruff>=0.6"],
+}
+
+setup(
+    name="verl-sat",
+    version="0.1.0",
+    description="Staleness-Adaptive Trust Region (SAT) and routing replay for asynchronous RL with verl",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["verl_sat", "verl_sat.*"]),
+    install_requires=install_requires,
+    extras_require=extras_require,
+    entry_points={
+        # verl imports every entry point of this group inside `import verl` (driver and Ray workers).
+        "verl.plugins": ["verl_sat = verl_sat.plugin"],
+        "console_scripts": ["verl-sat = verl_sat.cli:main"],
+    },
+    classifiers=[
+        "License :: OSI Approved :: Apache Software License",
+        "Programming Language :: Python :: 3",
+    ],
+)

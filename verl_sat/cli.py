@@ -1,0 +1,35 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""The ``verl-sat`` command line."""
+
+import argparse
+import sys
+
+from verl_sat.doctor import run_doctor
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch ``verl-sat <command>``."""
+    parser = argparse.ArgumentParser(prog="verl-sat", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("doctor", help="check that `import verl` registers the sat/sat_gspo losses")
+    args = parser.parse_args(argv)
+    if args.command == "doctor":
+        return run_doctor()
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

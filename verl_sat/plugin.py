@@ -1,0 +1,29 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""verl plugin entry point (group ``verl.plugins``): importing this module registers everything verl-sat adds.
+
+verl imports plugins inside ``import verl`` and logs their failures at DEBUG level only; this module logs
+them at WARNING so a broken install is visible in every driver and Ray worker. ``verl-sat doctor`` checks it.
+"""
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+try:
+    import verl_sat.config  # noqa: F401  (SatPolicyLossConfig, the target of policy_loss._target_)
+    import verl_sat.losses  # noqa: F401  (registers the "sat" and "sat_gspo" policy losses)
+except Exception:
+    logger.warning("verl-sat plugin failed to load; the sat/sat_gspo losses are NOT registered", exc_info=True)
+    raise

@@ -1,0 +1,293 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""The Staleness-Adaptive Trust Region (SAT) in pure torch: SAT_SPEC.md sections 2-5, no verl import.
+
+Shapes: ``B`` sequences, ``T`` response tokens. Inputs are ``[B, T]`` tensors of any float dtype; the gate's
+statistics (``|d|``, the quantile, the contraction factors) are computed in float32, or float64 for float64 inputs.
+The surrogates return per-token loss matrices; aggregation (verl's ``agg_loss``) is left to the caller.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+LOG_RATIO_CLAMP = 20.0  # |lp - lp_old| clamp, as verl's `vanilla`
+GSPO_LOG_RATIO_MAX = 10.0  # upper clamp of the GSPO-token log-ratio, as verl's `gspo`
+KERNELS = ("hill", "hill_shifted")
+GRANULARITIES = ("sequence", "token")
+
+
+class GateParams(Protocol):
+    """What the gate reads (section 3); ``verl_sat.config.SatConfig`` satisfies it."""
+
+    quantile: float
+    kernel: str
+    kernel_exponent: float
+    min_scale: float
+    floor: float
+
+
+@dataclass(frozen=True)
+class TrustRegion:
+    """Per-unit SAT interval. A unit is a token (shape ``[B, T]``) or a sequence (shape ``[B, 1]``).
+
+    Attributes:
+        lower, upper: interval endpoints ``lo = 1 - eps_lo * c_minus``, ``hi = 1 + eps_hi * c_plus`` (loss dtype).
+        c_minus, c_plus: endpoint factors, 1 where not contracted (stat dtype).
+        gated: bool, units in the tail (``a > q``, ``q > floor``, active).
+        kappa: contraction factor, 1 where not gated (stat dtype).
+        abs_proxy: ``a = |d|`` (stat dtype).
+        unit_mask: bool, active units.
+        quantile: 0-dim, ``q``.
+    """
+
+    lower: torch.Tensor
+    upper: torch.Tensor
+    c_minus: torch.Tensor
+    c_plus: torch.Tensor
+    gated: torch.Tensor
+    kappa: torch.Tensor
+    abs_proxy: torch.Tensor
+    unit_mask: torch.Tensor
+    quantile: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SatSurrogate:
+    """Output of a SAT surrogate.
+
+    Attributes:
+        loss_mat: ``[B, T]`` per-token loss (finite at every position).
+        mask: ``[B, T]`` bool, active tokens after dropping NaN tokens; aggregate with this mask.
+        nan_tokens: ``[B, T]`` bool, originally active tokens dropped for NaN inputs.
+        log_ratio: ``[B, T]`` detached clamped ``lp - lp_old``.
+        clipped: ``[B, T]`` bool, the clip term is active (``L2 > L1``), verl's ``pg_clipfrac`` numerator.
+        intercepted: ``[B, T]`` bool, clipped by SAT but not by the nominal interval.
+        dual_clipped: ``[B, T]`` bool, the dual clip is active (token rule only; all False for GSPO).
+        region: the trust region, per token or per sequence.
+    """
+
+    loss_mat: torch.Tensor
+    mask: torch.Tensor
+    nan_tokens: torch.Tensor
+    log_ratio: torch.Tensor
+    clipped: torch.Tensor
+    intercepted: torch.Tensor
+    dual_clipped: torch.Tensor
+    region: TrustRegion
+
+
+def stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float64 inputs, float32 otherwise (statistics are never computed in half precision)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def masked_quantile(values: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Linear-interpolation quantile of ``values[mask]`` (``torch.quantile`` semantics) for any number of elements.
+
+    ``torch.quantile`` refuses more than 2^24 elements; this uses ``kthvalue`` on the flat selection.
+
+    Args:
+        values: any shape; mask: bool, same shape; alpha: in [0, 1].
+
+    Returns:
+        0-dim tensor in ``values.dtype``; 0 when the mask is empty.
+    """
+    flat = values[mask]
+    n = flat.numel()
+    if n == 0:
+        return values.new_zeros(())
+    pos = alpha * (n - 1)
+    lo = math.floor(pos)
+    v_lo = torch.kthvalue(flat, lo + 1).values
+    if lo + 1 >= n or pos == lo:
+        return v_lo
+    v_hi = torch.kthvalue(flat, lo + 2).values
+    return torch.lerp(v_lo, v_hi, pos - lo)
+
+
+def contraction_factor(abs_proxy: torch.Tensor, q: torch.Tensor, gate: GateParams) -> torch.Tensor:
+    """Kernel factor kappa(a; q) for gated units, clipped below at ``min_scale``.
+
+    ``hill``: ``q^n / (q^n + a^n)`` in ``(0, 0.5]`` for ``a > q``; ``hill_shifted``: ``1 / (1 + ((a - q) / q)^n)``.
+    """
+    q = q.clamp(min=torch.finfo(abs_proxy.dtype).tiny)
+    if gate.kernel == "hill":
+        excess = abs_proxy / q
+    elif gate.kernel == "hill_shifted":
+        excess = (abs_proxy - q) / q
+    else:
+        raise ValueError(f"unknown SAT kernel {gate.kernel!r}; expected one of {list(KERNELS)}")
+    return torch.reciprocal(1.0 + excess.pow(gate.kernel_exponent)).clamp(min=gate.min_scale)
+
+
+def trust_region(
+    proxy: torch.Tensor,
+    unit_mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    gate: GateParams,
+    loss_dtype: torch.dtype,
+) -> TrustRegion:
+    """Tail gate, kernel and sign-selected endpoint contraction (sections 3 and 4).
+
+    Args:
+        proxy: detached staleness proxy ``d`` per unit, any shape; unit_mask: bool, same shape.
+        clip_low, clip_high: nominal radii ``eps_lo``, ``eps_hi``.
+        loss_dtype: dtype of the returned endpoints (the dtype the ratio is clamped in).
+    """
+    d = proxy.detach().to(stat_dtype(proxy.dtype))
+    a = d.abs()
+    q = masked_quantile(a, unit_mask, gate.quantile)
+    gated = unit_mask & (a > q) & (q > gate.floor)
+    kappa = torch.where(gated, contraction_factor(a, q, gate), 1.0)
+    contract_up = gated & (d > 0)
+    contract_down = gated & (d < 0)
+    # Ungated endpoints use the Python scalars so that they equal verl's clamp bounds bit for bit.
+    lower = torch.where(contract_down, 1.0 - clip_low * kappa, 1.0 - clip_low).to(loss_dtype)
+    upper = torch.where(contract_up, 1.0 + clip_high * kappa, 1.0 + clip_high).to(loss_dtype)
+    return TrustRegion(
+        lower=lower,
+        upper=upper,
+        c_minus=torch.where(contract_down, kappa, 1.0),
+        c_plus=torch.where(contract_up, kappa, 1.0),
+        gated=gated,
+        kappa=kappa,
+        abs_proxy=a,
+        unit_mask=unit_mask,
+        quantile=q,
+    )
+
+
+def drop_nan_tokens(
+    log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Section 6.7: tokens with NaN inputs become inactive and their values 0 (so no NaN reaches sums or grads).
+
+    Returns:
+        ``(log_prob, old_log_prob, advantages, mask, nan_tokens)``, all ``[B, T]``; ``mask`` and ``nan_tokens``
+        are bool, ``nan_tokens`` marks originally active tokens that were dropped.
+    """
+    bad = torch.isnan(log_prob - old_log_prob) | torch.isnan(advantages)  # NaN in either log-prob, or inf - inf
+    active = response_mask.bool()
+    return (
+        torch.where(bad, 0.0, log_prob),
+        torch.where(bad, 0.0, old_log_prob),
+        torch.where(bad, 0.0, advantages),
+        active & ~bad,
+        active & bad,
+    )
+
+
+def _nominal_clipped(advantages: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
+    """Where the nominal interval's clip term is active: ``-A * clamp(r, 1 - eps_lo, 1 + eps_hi) > -A * r``."""
+    return ((advantages > 0) & (ratio > 1.0 + clip_high)) | ((advantages < 0) & (ratio < 1.0 - clip_low))
+
+
+def sat_token_surrogate(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    clip_ratio_c: float,
+    gate: GateParams,
+) -> SatSurrogate:
+    """Token-level SAT (SAT-PPO / SAT-GRPO, section 5): verl's dual-clip PPO with per-token SAT endpoints.
+
+    Args:
+        log_prob, old_log_prob, advantages: ``[B, T]``; response_mask: ``[B, T]`` bool or 0/1.
+        clip_low, clip_high: nominal radii; clip_ratio_c: dual-clip constant (> 1).
+    """
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip PPO, got {clip_ratio_c}")
+    log_prob, old_log_prob, advantages, mask, nan_tokens = drop_nan_tokens(
+        log_prob, old_log_prob, advantages, response_mask
+    )
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+    region = trust_region(log_ratio, mask, clip_low, clip_high, gate, log_ratio.dtype)
+
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, region.lower, region.upper)
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
+    loss_dual = -advantages * clip_ratio_c
+    loss_mat = torch.where(advantages < 0, torch.minimum(loss_dual, loss_ppo), loss_ppo)
+
+    clipped = torch.gt(loss_clipped, loss_unclipped)
+    return SatSurrogate(
+        loss_mat=loss_mat,
+        mask=mask,
+        nan_tokens=nan_tokens,
+        log_ratio=log_ratio.detach(),
+        clipped=clipped,
+        intercepted=clipped & ~_nominal_clipped(advantages, ratio.detach(), clip_low, clip_high),
+        dual_clipped=torch.gt(loss_ppo, loss_dual) & (advantages < 0),
+        region=region,
+    )
+
+
+def sat_gspo_surrogate(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    gate: GateParams,
+    granularity: str = "sequence",
+) -> SatSurrogate:
+    """GSPO-token surrogate with SAT endpoints (section 5), no dual clip.
+
+    ``granularity="sequence"``: the proxy is the sequence log-ratio ``s_i`` and each sequence's factors are
+    broadcast to its tokens; ``"token"``: proxy, gate and factors per token.
+
+    Args:
+        log_prob, old_log_prob, advantages: ``[B, T]``; response_mask: ``[B, T]`` bool or 0/1.
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"unknown SAT granularity {granularity!r}; expected one of {list(GRANULARITIES)}")
+    log_prob, old_log_prob, advantages, mask, nan_tokens = drop_nan_tokens(
+        log_prob, old_log_prob, advantages, response_mask
+    )
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+    lengths = torch.sum(mask, dim=-1)
+    seq_log_ratio = torch.sum(log_ratio * mask, dim=-1) / lengths.clamp(min=1)  # s_i, [B]
+
+    if granularity == "sequence":
+        region = trust_region(seq_log_ratio.unsqueeze(-1), (lengths > 0).unsqueeze(-1), clip_low, clip_high, gate,
+                              log_ratio.dtype)  # fmt: skip
+    else:
+        region = trust_region(log_ratio, mask, clip_low, clip_high, gate, log_ratio.dtype)
+
+    log_rho = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    rho = torch.exp(torch.clamp(log_rho, max=GSPO_LOG_RATIO_MAX))
+    loss_unclipped = -advantages * rho
+    loss_clipped = -advantages * torch.clamp(rho, region.lower, region.upper)
+    loss_mat = torch.maximum(loss_unclipped, loss_clipped)
+
+    clipped = torch.gt(loss_clipped, loss_unclipped)
+    return SatSurrogate(
+        loss_mat=loss_mat,
+        mask=mask,
+        nan_tokens=nan_tokens,
+        log_ratio=log_ratio.detach(),
+        clipped=clipped,
+        intercepted=clipped & ~_nominal_clipped(advantages, rho.detach(), clip_low, clip_high),
+        dual_clipped=torch.zeros_like(mask),
+        region=region,
+    )
