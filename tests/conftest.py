@@ -1,0 +1,114 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Shared fixtures: verl's composed actor config and random stale batches.
+
+No ``tests/__init__.py``: the verl wheel ships a top-level ``tests`` package of its own.
+"""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from verl.utils.config import omega_conf_to_dataclass
+
+SAT_TARGET = "actor_rollout_ref.actor.policy_loss._target_=verl_sat.config.SatPolicyLossConfig"
+
+# (registered loss, granularity, verl's nominal counterpart): both losses and both granularities.
+LOSS_CASES = [("sat", "token", "vanilla"), ("sat_gspo", "sequence", "gspo"), ("sat_gspo", "token", "gspo")]
+
+
+def compose_verl(overrides: list[str]):
+    """Compose verl 0.9.1's packaged ``ppo_trainer`` config with command-line style overrides."""
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        return compose("ppo_trainer", overrides=overrides)
+
+
+def actor_config(*overrides: str, loss_mode: str = "sat"):
+    """verl's ``FSDPActorConfig`` built with ``omega_conf_to_dataclass``, the SAT policy-loss target set."""
+    cfg = compose_verl(
+        [
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            SAT_TARGET,
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
+            *overrides,
+        ]
+    )
+    return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+
+
+@dataclass
+class StaleBatch:
+    """A micro-batch as verl hands it to a policy loss. All tensors ``[B, T]``."""
+
+    old_log_prob: torch.Tensor
+    log_prob: torch.Tensor
+    advantages: torch.Tensor
+    response_mask: torch.Tensor
+
+    def fresh_log_prob(self) -> torch.Tensor:
+        """A leaf copy of ``log_prob`` that requires grad."""
+        return self.log_prob.detach().clone().requires_grad_(True)
+
+
+def make_stale_batch(
+    seed: int = 0,
+    num_prompts: int = 16,
+    group: int = 4,
+    length: int = 40,
+    scale: float = 0.1,
+    dtype: torch.dtype = torch.float32,
+) -> StaleBatch:
+    """Heavy-tailed log-ratios (Student-t, df=2, plus a per-sequence drift), GRPO-like group-normalised binary
+    advantages, ragged right-padded masks (one sequence fully masked)."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = num_prompts * group
+    old = -torch.rand(batch, length, generator=gen, dtype=torch.float64) * 4.0
+    student = torch.distributions.StudentT(torch.tensor(2.0, dtype=torch.float64))
+    torch.manual_seed(seed)
+    drift = torch.randn(batch, 1, generator=gen, dtype=torch.float64) * scale
+    log_ratio = (student.sample((batch, length)) * scale + drift).clamp(-15.0, 15.0)
+    rewards = (torch.rand(num_prompts, group, generator=gen) > 0.5).double()
+    adv = (rewards - rewards.mean(-1, keepdim=True)) / (rewards.std(-1, keepdim=True) + 1e-6)
+    adv = adv.reshape(batch, 1).expand(batch, length).clone()
+    lengths = torch.randint(1, length + 1, (batch,), generator=gen)
+    lengths[0] = 0
+    mask = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
+    return StaleBatch(
+        old_log_prob=old.to(dtype),
+        log_prob=(old + log_ratio).to(dtype),
+        advantages=adv.to(dtype),
+        response_mask=mask,
+    )
+
+
+def nominal_token_loss(log_prob, old_log_prob, advantages, clip_low, clip_high, clip_ratio_c=3.0):
+    """Per-token PPO dual-clip loss with the fixed interval (the nominal rule), written out independently."""
+    ratio = torch.exp(torch.clamp(log_prob - old_log_prob, -20.0, 20.0))
+    ppo = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high))
+    return torch.where(advantages < 0, torch.minimum(ppo, -advantages * clip_ratio_c), ppo)
+
+
+def nominal_gspo_loss(log_prob, old_log_prob, advantages, mask, clip_low, clip_high):
+    """Per-token GSPO-token loss with the fixed interval, written out independently."""
+    log_ratio = torch.clamp(log_prob - old_log_prob, -20.0, 20.0)
+    seq = torch.sum(log_ratio * mask, dim=-1) / torch.sum(mask, dim=-1).clamp(min=1)
+    rho = torch.exp(torch.clamp(log_prob - log_prob.detach() + seq.detach().unsqueeze(-1), max=10.0))
+    return torch.maximum(-advantages * rho, -advantages * torch.clamp(rho, 1 - clip_low, 1 + clip_high))
+
+
+@pytest.fixture(scope="session")
+def sat_actor_config():
+    """Actor config with the SAT target (defaults of the sat block), loss mode ``sat``."""
+    return actor_config()

@@ -1,0 +1,210 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""SAT_SPEC.md section 6, one test per property, for ``sat`` and ``sat_gspo`` (both granularities)."""
+
+import math
+
+import pytest
+import torch
+from conftest import LOSS_CASES, make_stale_batch, nominal_gspo_loss, nominal_token_loss
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+from verl_sat.config import SatConfig
+from verl_sat.sat_math import sat_gspo_surrogate, sat_token_surrogate
+
+EPS_LO, EPS_HI = 0.2, 0.28
+QUANTILE = 0.5  # a low quantile so that every case has gated tokens on both sides of 1
+CASE_IDS = [f"{loss}-{gran}" for loss, gran, _ in LOSS_CASES]
+
+
+def _surrogate(loss, granularity, batch, log_prob, gate=None):
+    gate = gate or SatConfig(quantile=QUANTILE, granularity=granularity)
+    if loss == "sat":
+        return sat_token_surrogate(
+            log_prob, batch.old_log_prob, batch.advantages, batch.response_mask, EPS_LO, EPS_HI, 3.0, gate
+        )
+    return sat_gspo_surrogate(
+        log_prob, batch.old_log_prob, batch.advantages, batch.response_mask, EPS_LO, EPS_HI, gate, granularity
+    )
+
+
+def _nominal(loss, batch, log_prob):
+    if loss == "sat":
+        return nominal_token_loss(log_prob, batch.old_log_prob, batch.advantages, EPS_LO, EPS_HI)
+    return nominal_gspo_loss(log_prob, batch.old_log_prob, batch.advantages, batch.response_mask, EPS_LO, EPS_HI)
+
+
+def _per_token(loss, granularity, batch):
+    """SAT and nominal per-token losses and gradients (each token's loss depends on its own log-prob only)."""
+    lp_sat, lp_nom = batch.fresh_log_prob(), batch.fresh_log_prob()
+    out = _surrogate(loss, granularity, batch, lp_sat)
+    nominal = _nominal(loss, batch, lp_nom)
+    out.loss_mat.sum().backward()
+    nominal.sum().backward()
+    return out, nominal.detach(), lp_sat.grad, lp_nom.grad
+
+
+def _token_view(out, x):
+    """Broadcast a per-unit ``[B, 1]`` tensor of the region to ``[B, T]``."""
+    return x.expand(out.mask.shape)
+
+
+def _ratio(loss, batch, out):
+    """The ratio the interval clamps: ``r`` per token, or the sequence ratio ``exp(s_i)`` for GSPO."""
+    if loss == "sat":
+        return torch.exp(out.log_ratio)
+    return torch.exp(_seq_log_ratio(out)).expand(out.mask.shape)
+
+
+def _seq_log_ratio(out):
+    return (torch.sum(out.log_ratio * out.mask, dim=-1) / torch.sum(out.mask, dim=-1).clamp(min=1)).unsqueeze(-1)
+
+
+def _proxy(out, granularity):
+    return out.log_ratio if granularity == "token" else _seq_log_ratio(out).expand(out.mask.shape)
+
+
+@pytest.mark.parametrize("loss,granularity,_", LOSS_CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_containment(loss, granularity, _, seed):
+    """6.1: 1 - eps_lo <= lo <= 1 <= hi <= 1 + eps_hi for every token, and some endpoints really contract."""
+    batch = make_stale_batch(seed)
+    region = _surrogate(loss, granularity, batch, batch.log_prob).region
+    assert torch.all(region.lower >= 1 - EPS_LO) and torch.all(region.lower <= 1)
+    assert torch.all(region.upper >= 1) and torch.all(region.upper <= 1 + EPS_HI)
+    assert torch.any(region.lower > 1 - EPS_LO) and torch.any(region.upper < 1 + EPS_HI)
+    kappa = region.kappa[region.gated]
+    assert torch.all((kappa > 0) & (kappa <= 0.5))
+
+
+@pytest.mark.parametrize("loss,granularity,_", LOSS_CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_pointwise_pessimism(loss, granularity, _, seed):
+    """6.2: per-token SAT loss >= per-token nominal loss, strictly greater somewhere."""
+    batch = make_stale_batch(seed)
+    out = _surrogate(loss, granularity, batch, batch.log_prob)
+    nominal = _nominal(loss, batch, batch.log_prob)
+    assert torch.all(out.loss_mat >= nominal)
+    assert torch.any(out.loss_mat > nominal)
+
+
+@pytest.mark.parametrize("loss,granularity,_", LOSS_CASES, ids=CASE_IDS)
+def test_baseline_preserved_on_ungated_tokens(loss, granularity, _):
+    """6.3: on ungated tokens the loss and its gradient equal the nominal rule's, bit for bit."""
+    batch = make_stale_batch(3)
+    out, nominal, grad_sat, grad_nom = _per_token(loss, granularity, batch)
+    ungated = ~_token_view(out, out.region.gated)
+    assert ungated.sum() > 0 and (~ungated).sum() > 0
+    assert torch.equal(out.loss_mat[ungated], nominal[ungated])
+    assert torch.equal(grad_sat[ungated], grad_nom[ungated])
+
+
+@pytest.mark.parametrize("loss,granularity,nominal_name", LOSS_CASES, ids=CASE_IDS)
+def test_baseline_preserved_without_staleness(loss, granularity, nominal_name, sat_actor_config):
+    """6.3: with lp == lp_old the registered loss equals verl's own (values and gradients)."""
+    batch = make_stale_batch(4)
+    fresh = batch.old_log_prob.clone()
+    config = sat_actor_config
+    object.__setattr__(config.policy_loss, "sat", SatConfig(granularity=granularity))
+    for agg in ["token-mean", "seq-mean-token-mean"]:
+        lp_sat, lp_ref = fresh.clone().requires_grad_(), fresh.clone().requires_grad_()
+        sat_loss, metrics = get_policy_loss_fn(loss)(
+            batch.old_log_prob, lp_sat, batch.advantages, batch.response_mask, agg, config
+        )
+        ref_loss, _ = get_policy_loss_fn(nominal_name)(
+            batch.old_log_prob, lp_ref, batch.advantages, batch.response_mask, agg, config
+        )
+        sat_loss.backward()
+        ref_loss.backward()
+        assert torch.equal(sat_loss, ref_loss)
+        assert torch.equal(lp_sat.grad, lp_ref.grad)
+        assert metrics["actor/sat_gate_rate"] == 0.0
+
+
+@pytest.mark.parametrize("loss,granularity,_", LOSS_CASES, ids=CASE_IDS)
+def test_pull_back_unchanged(loss, granularity, _):
+    """6.4: a gated token whose update moves the ratio toward 1 keeps the nominal gradient."""
+    batch = make_stale_batch(5)
+    out, _, grad_sat, grad_nom = _per_token(loss, granularity, batch)
+    d, adv = _proxy(out, granularity), batch.advantages
+    pull_back = _token_view(out, out.region.gated) & out.mask & (((d > 0) & (adv < 0)) | ((d < 0) & (adv > 0)))
+    assert pull_back.sum() > 0
+    assert torch.equal(grad_sat[pull_back], grad_nom[pull_back])
+
+
+@pytest.mark.parametrize("loss,granularity,_", LOSS_CASES, ids=CASE_IDS)
+def test_newly_intercepted_band(loss, granularity, _):
+    """6.5: gated outward tokens with the ratio in (hi_t, 1 + eps_hi] or [1 - eps_lo, lo_t) get zero gradient
+    where the nominal rule's is non-zero."""
+    batch = make_stale_batch(6)
+    out, _, grad_sat, grad_nom = _per_token(loss, granularity, batch)
+    d, adv, ratio = _proxy(out, granularity), batch.advantages, _ratio(loss, batch, out)
+    lower, upper = _token_view(out, out.region.lower), _token_view(out, out.region.upper)
+    gated = _token_view(out, out.region.gated) & out.mask
+    upper_band = gated & (d > 0) & (adv > 0) & (ratio > upper) & (ratio <= 1 + EPS_HI)
+    lower_band = gated & (d < 0) & (adv < 0) & (ratio < lower) & (ratio >= 1 - EPS_LO)
+    band = upper_band | lower_band
+    assert upper_band.sum() > 0 and lower_band.sum() > 0
+    assert torch.all(grad_sat[band] == 0)
+    assert torch.all(grad_nom[band] != 0)
+    assert torch.all(out.intercepted[band])
+
+
+@pytest.mark.parametrize("loss,granularity,_", LOSS_CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_no_active_tokens(loss, granularity, _, agg, sat_actor_config):
+    """6.6: an all-masked micro-batch gives a finite zero loss connected to the graph, and finite metrics."""
+    batch = make_stale_batch(7)
+    object.__setattr__(sat_actor_config.policy_loss, "sat", SatConfig(granularity=granularity))
+    lp = batch.fresh_log_prob()
+    empty = torch.zeros_like(batch.response_mask)
+    pg_loss, metrics = get_policy_loss_fn(loss)(batch.old_log_prob, lp, batch.advantages, empty, agg, sat_actor_config)
+    assert pg_loss.item() == 0.0 and pg_loss.requires_grad
+    pg_loss.backward()
+    assert torch.all(lp.grad == 0)
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert metrics["actor/sat_min_scale"] == 1.0 and metrics["actor/sat_gate_rate"] == 0.0
+
+
+@pytest.mark.parametrize("loss,granularity,_", LOSS_CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("tensor", ["log_prob", "old_log_prob", "advantages"])
+def test_nan_tokens_become_inactive(loss, granularity, _, tensor, sat_actor_config):
+    """6.7: NaN in an active token's inputs drops the token from the quantile and agg_loss; nothing else changes."""
+    batch = make_stale_batch(8)
+    object.__setattr__(sat_actor_config.policy_loss, "sat", SatConfig(granularity=granularity))
+    fn = get_policy_loss_fn(loss)
+    nan_at = batch.response_mask.clone()
+    nan_at[:, 1:] = False  # first token of every non-empty sequence
+    nan_at[1, 3] = bool(batch.response_mask[1, 3])
+    inputs = {"log_prob": batch.log_prob.clone(), "old_log_prob": batch.old_log_prob, "advantages": batch.advantages}
+    inputs[tensor] = inputs[tensor].clone().masked_fill(nan_at, float("nan"))
+
+    lp_nan = inputs["log_prob"].clone().requires_grad_()
+    loss_nan, metrics_nan = fn(
+        inputs["old_log_prob"], lp_nan, inputs["advantages"], batch.response_mask, "token-mean", sat_actor_config
+    )
+    lp_ref = batch.fresh_log_prob()
+    loss_ref, metrics_ref = fn(
+        batch.old_log_prob, lp_ref, batch.advantages, batch.response_mask & ~nan_at, "token-mean", sat_actor_config
+    )
+    loss_nan.backward()
+    loss_ref.backward()
+    assert torch.isfinite(loss_nan) and torch.equal(loss_nan, loss_ref)
+    assert torch.all(torch.isfinite(lp_nan.grad)) and torch.all(lp_nan.grad[nan_at] == 0)
+    assert torch.equal(lp_nan.grad[~nan_at], lp_ref.grad[~nan_at])
+    expected_frac = nan_at.sum().item() / batch.response_mask.sum().item()
+    assert metrics_nan["actor/sat_nan_frac"] == pytest.approx(expected_frac)
+    assert metrics_ref["actor/sat_nan_frac"] == 0.0
+    for key in ["actor/sat_quantile", "actor/sat_gate_rate", "actor/pg_clipfrac"]:
+        assert metrics_nan[key] == metrics_ref[key]
