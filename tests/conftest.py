@@ -16,6 +16,8 @@
 No ``tests/__init__.py``: the verl wheel ships a top-level ``tests`` package of its own.
 """
 
+import copy
+import functools
 from dataclasses import dataclass
 
 import pytest
@@ -30,9 +32,14 @@ LOSS_CASES = [("sat", "token", "vanilla"), ("sat_gspo", "sequence", "gspo"), ("s
 
 
 def compose_verl(overrides: list[str]):
-    """Compose verl 0.9.1's packaged ``ppo_trainer`` config with command-line style overrides."""
+    """Compose verl 0.9.1's packaged ``ppo_trainer`` config with command-line style overrides (a fresh copy)."""
+    return copy.deepcopy(_compose_cached(tuple(overrides)))
+
+
+@functools.cache
+def _compose_cached(overrides: tuple[str, ...]):
     with initialize_config_module("verl.trainer.config", version_base=None):
-        return compose("ppo_trainer", overrides=overrides)
+        return compose("ppo_trainer", overrides=list(overrides))
 
 
 def actor_config(*overrides: str, loss_mode: str = "sat"):

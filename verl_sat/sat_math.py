@@ -172,6 +172,16 @@ def trust_region(
     )
 
 
+def stat_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
+    """Detached clamped ``lp - lp_old`` in the stat dtype: reuses ``log_ratio`` for float32/64 inputs, recomputes
+    from upcast inputs for half precision (a bf16 difference of log-probs near -3 is quantised to 1/64)."""
+    dtype = stat_dtype(log_ratio.dtype)
+    if log_ratio.dtype == dtype:
+        return log_ratio.detach()
+    diff = log_prob.detach().to(dtype) - old_log_prob.to(dtype)
+    return torch.clamp(diff, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+
+
 def drop_nan_tokens(
     log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -219,7 +229,8 @@ def sat_token_surrogate(
         log_prob, old_log_prob, advantages, response_mask
     )
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
-    region = trust_region(log_ratio, mask, clip_low, clip_high, gate, log_ratio.dtype)
+    proxy = stat_log_ratio(log_prob, old_log_prob, log_ratio)
+    region = trust_region(proxy, mask, clip_low, clip_high, gate, log_ratio.dtype)
 
     ratio = torch.exp(log_ratio)
     loss_unclipped = -advantages * ratio
@@ -268,11 +279,13 @@ def sat_gspo_surrogate(
     lengths = torch.sum(mask, dim=-1)
     seq_log_ratio = torch.sum(log_ratio * mask, dim=-1) / lengths.clamp(min=1)  # s_i, [B]
 
-    if granularity == "sequence":
-        region = trust_region(seq_log_ratio.unsqueeze(-1), (lengths > 0).unsqueeze(-1), clip_low, clip_high, gate,
-                              log_ratio.dtype)  # fmt: skip
+    proxy = stat_log_ratio(log_prob, old_log_prob, log_ratio)
+    if granularity == "sequence":  # d_i = s_i, in the stat dtype
+        proxy = (torch.sum(proxy * mask, dim=-1) / lengths.clamp(min=1)).unsqueeze(-1)
+        unit_mask = (lengths > 0).unsqueeze(-1)
     else:
-        region = trust_region(log_ratio, mask, clip_low, clip_high, gate, log_ratio.dtype)
+        unit_mask = mask
+    region = trust_region(proxy, unit_mask, clip_low, clip_high, gate, log_ratio.dtype)
 
     log_rho = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
     rho = torch.exp(torch.clamp(log_rho, max=GSPO_LOG_RATIO_MAX))
