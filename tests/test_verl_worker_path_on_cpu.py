@@ -1,0 +1,99 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""The registered losses through verl's real worker path: ``verl.workers.utils.losses.ppo_loss`` with a TensorDict
+prepared as the FSDP engine prepares it (``left_right_2_no_padding``, nested log-probs)."""
+
+import pytest
+import torch
+from conftest import LOSS_CASES, actor_config, make_stale_batch
+from tensordict import TensorDict
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
+from verl.utils import tensordict_utils as tu
+from verl.workers.utils.losses import ppo_loss
+from verl.workers.utils.padding import left_right_2_no_padding
+
+PROMPT_LENS = [5, 3, 4, 2, 5, 1]
+RESPONSE_LENS = [7, 4, 1, 6, 7, 3]
+MAX_PROMPT, MAX_RESPONSE = 5, 7
+
+
+def _engine_batch(old_log_probs, advantages):
+    """Left-padded prompts, right-padded responses, then verl's no-padding conversion."""
+    bs = len(PROMPT_LENS)
+    arange_p, arange_r = torch.arange(MAX_PROMPT), torch.arange(MAX_RESPONSE)
+    prompt_mask = arange_p.unsqueeze(0) >= (MAX_PROMPT - torch.tensor(PROMPT_LENS)).unsqueeze(1)
+    response_mask = arange_r.unsqueeze(0) < torch.tensor(RESPONSE_LENS).unsqueeze(1)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+    input_ids = torch.randint(1, 100, (bs, MAX_PROMPT + MAX_RESPONSE), generator=torch.Generator().manual_seed(0))
+    input_ids = input_ids * attention_mask
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    data = TensorDict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "prompts": input_ids[:, :MAX_PROMPT],
+            "responses": input_ids[:, MAX_PROMPT:],
+            "response_mask": response_mask.long(),
+            "old_log_probs": old_log_probs,
+            "advantages": advantages,
+        },
+        batch_size=[bs],
+    )
+    data = left_right_2_no_padding(data)
+    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(response_mask.sum()), global_batch_size=bs)
+    return data, response_mask
+
+
+def _nested_log_probs(log_prob, response_mask):
+    """Model output as the engine returns it: one jagged row per sequence over prompt + response tokens, where the
+    log-prob of response token j sits at position prompt_len + j - 1."""
+    seq_lens = [p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS, strict=True)]
+    offsets = torch.tensor([0, *seq_lens]).cumsum(0)
+    positions = torch.cat(
+        [offsets[i] + PROMPT_LENS[i] - 1 + torch.arange(RESPONSE_LENS[i]) for i in range(len(PROMPT_LENS))]
+    )
+    values = torch.zeros(int(offsets[-1]), dtype=log_prob.dtype).index_put((positions,), log_prob[response_mask])
+    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+
+
+@pytest.mark.parametrize("loss,granularity,_", LOSS_CASES, ids=[f"{c[0]}-{c[1]}" for c in LOSS_CASES])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_ppo_loss_worker_path(loss, granularity, _, agg):
+    config = actor_config(
+        f"actor_rollout_ref.actor.loss_agg_mode={agg}",
+        f"+actor_rollout_ref.actor.policy_loss.sat.granularity={granularity}",
+        "+actor_rollout_ref.actor.policy_loss.sat.quantile=0.5",
+        loss_mode=loss,
+    )
+    stale = make_stale_batch(21, num_prompts=3, group=2, length=MAX_RESPONSE)
+    data, response_mask = _engine_batch(stale.old_log_prob, stale.advantages)
+
+    lp_engine = stale.fresh_log_prob()
+    total, metrics = ppo_loss(config, {"log_probs": _nested_log_probs(lp_engine, response_mask)}, data)
+    total.backward()
+
+    lp_direct = stale.fresh_log_prob()
+    direct, direct_metrics = get_policy_loss_fn(loss)(
+        stale.old_log_prob, lp_direct, stale.advantages, response_mask, agg, config
+    )
+    direct.backward()
+
+    assert torch.allclose(total, direct, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(lp_engine.grad * response_mask, lp_direct.grad * response_mask, rtol=1e-6, atol=1e-8)
+    assert torch.any(lp_engine.grad != 0)
+    assert metrics["actor/sat_gate_rate"].aggregate() == pytest.approx(direct_metrics["actor/sat_gate_rate"])
+    assert metrics["actor/sat_gate_rate"].aggregate() > 0
+    for key in ["sat_quantile", "sat_eff_upper_radius", "sat_intercepted_frac", "pg_clipfrac", "ppo_kl"]:
+        assert f"actor/{key}" in metrics
