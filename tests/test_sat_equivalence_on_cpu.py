@@ -96,6 +96,26 @@ def test_masked_quantile_matches_torch_quantile():
     assert masked_quantile(values, torch.zeros_like(mask), 0.9).item() == 0.0
 
 
+@pytest.mark.parametrize("kind", ["continuous", "ties", "adversarial_stride"])
+def test_masked_quantile_bracket_path_is_exact(kind):
+    """Inputs above the bracketing threshold (a sampled bracket, then kthvalue on the candidates) stay exact,
+    including many ties and a periodic layout that makes the strided sample miss (the fallback path)."""
+    gen = torch.Generator().manual_seed(1)
+    shape = (300, 1000)
+    if kind == "continuous":
+        values = torch.randn(shape, generator=gen).abs()
+    elif kind == "ties":
+        values = torch.randint(0, 7, shape, generator=gen).float()
+    else:  # every element the stride samples is huge, so the sample's bracket lies far above the true quantile
+        flat = torch.rand(shape[0] * shape[1], generator=gen)
+        flat[:: flat.numel() // (1 << 14)] = 1e6
+        values = flat.reshape(shape)
+    values = values.double()  # float64: torch.quantile's float32 interpolation weight is coarser than ours
+    mask = torch.rand(shape, generator=gen) > 0.25
+    for alpha in [0.5, 0.9, 0.95, 0.999]:
+        assert torch.equal(masked_quantile(values, mask, alpha), torch.quantile(values[mask], alpha)), alpha
+
+
 def test_more_than_2_pow_24_active_tokens():
     """torch.quantile refuses > 2^24 elements; the SAT quantile and the loss must not."""
     n = 2**24 + 7

@@ -26,7 +26,7 @@ from verl.utils.torch_functional import masked_mean
 from verl.workers.config import ActorConfig
 
 from verl_sat.config import resolve_sat_config
-from verl_sat.sat_math import SatSurrogate, sat_gspo_surrogate, sat_token_surrogate
+from verl_sat.sat_math import SatSurrogate, TrustRegion, sat_gspo_surrogate, sat_token_surrogate
 
 
 @register_policy_loss("sat")  # type: ignore[arg-type]
@@ -110,31 +110,41 @@ def _aggregate(
     if rollout_is_weights is not None:
         loss_mat = loss_mat * rollout_is_weights
 
-    num_active = int(mask.sum())
+    num_active = int(torch.count_nonzero(mask))
     if num_active > 0:
         pg_loss = agg_loss(loss_mat=loss_mat, loss_mask=mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info)
     else:  # section 6.6: a finite zero that stays connected to the graph
         pg_loss = torch.where(mask, loss_mat, 0.0).sum()
 
     region = out.region
-    num_nan = int(out.nan_tokens.sum())
-    gate_rate = masked_mean(region.gated.float(), region.unit_mask)
+    num_nan = int(torch.count_nonzero(out.nan_tokens))
+    num_units = max(int(torch.count_nonzero(region.unit_mask)), 1)
+    lower_factor, upper_factor = _mean_endpoint_factors(region, num_units)
     metrics = {
-        "actor/sat_gate_rate": gate_rate.item(),
+        "actor/sat_gate_rate": region.kappa.numel() / num_units,
         "actor/sat_quantile": region.quantile.item(),
         "actor/sat_abs_log_ratio_mean": masked_mean(region.abs_proxy, region.unit_mask).item(),
-        "actor/sat_eff_lower_radius": clip_low * _token_mean(region.c_minus, mask),
-        "actor/sat_eff_upper_radius": clip_high * _token_mean(region.c_plus, mask),
-        "actor/sat_min_scale": region.kappa.min().item() if region.kappa.numel() else 1.0,
-        "actor/sat_intercepted_frac": masked_mean(out.intercepted.float(), mask).item(),
+        "actor/sat_eff_lower_radius": clip_low * lower_factor,
+        "actor/sat_eff_upper_radius": clip_high * upper_factor,
+        "actor/sat_min_scale": region.kappa.min().item() if region.kappa.numel() else 1.0,  # 1: nothing gated
+        "actor/sat_intercepted_frac": _token_frac(out.intercepted, mask, num_active),
         "actor/sat_nan_frac": num_nan / (num_active + num_nan) if num_nan else 0.0,
-        "actor/pg_clipfrac": masked_mean(out.clipped.float(), mask).item(),
+        "actor/pg_clipfrac": _token_frac(out.clipped, mask, num_active),
         "actor/ppo_kl": masked_mean(-out.log_ratio, mask).item(),
-        "actor/pg_clipfrac_lower": masked_mean(out.dual_clipped.float(), mask).item(),
+        "actor/pg_clipfrac_lower": _token_frac(out.dual_clipped, mask, num_active),
     }
     return pg_loss, metrics
 
 
-def _token_mean(unit_values: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean over active tokens of a per-token ``[B, T]`` or per-sequence ``[B, 1]`` quantity."""
-    return masked_mean(unit_values.expand(mask.shape), mask).item()
+def _token_frac(flags: torch.Tensor, mask: torch.Tensor, num_active: int) -> float:
+    """Fraction of active tokens where the bool ``[B, T]`` ``flags`` hold."""
+    return int(torch.count_nonzero(flags & mask)) / max(num_active, 1)
+
+
+def _mean_endpoint_factors(region: TrustRegion, num_units: int) -> tuple[float, float]:
+    """Mean ``c_minus`` and ``c_plus`` over active gate units: 1 minus each endpoint's summed deficit ``1 - kappa``
+    over the gated units that contract it."""
+    deficit = 1.0 - region.kappa
+    up = float(deficit[region.contract_up].sum())
+    down = float(deficit[~region.contract_up].sum())
+    return 1.0 - down / num_units, 1.0 - up / num_units

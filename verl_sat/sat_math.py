@@ -46,9 +46,11 @@ class TrustRegion:
 
     Attributes:
         lower, upper: interval endpoints ``lo = 1 - eps_lo * c_minus``, ``hi = 1 + eps_hi * c_plus`` (loss dtype).
-        c_minus, c_plus: endpoint factors, 1 where not contracted (stat dtype).
         gated: bool, units in the tail (``a > q``, ``q > floor``, active).
-        kappa: contraction factor, 1 where not gated (stat dtype).
+        gated_index: ``gated.nonzero(as_tuple=True)``, the ``G`` gated units in row-major order.
+        kappa: ``[G]`` contraction factor of each gated unit (stat dtype); every other factor is 1.
+        contract_up: ``[G]`` bool, the gated unit drifted up (``d > 0``, ``c_plus = kappa``), else down
+            (``d < 0``, ``c_minus = kappa``).
         abs_proxy: ``a = |d|`` (stat dtype).
         unit_mask: bool, active units.
         quantile: 0-dim, ``q``.
@@ -56,10 +58,10 @@ class TrustRegion:
 
     lower: torch.Tensor
     upper: torch.Tensor
-    c_minus: torch.Tensor
-    c_plus: torch.Tensor
     gated: torch.Tensor
+    gated_index: tuple[torch.Tensor, ...]
     kappa: torch.Tensor
+    contract_up: torch.Tensor
     abs_proxy: torch.Tensor
     unit_mask: torch.Tensor
     quantile: torch.Tensor
@@ -96,9 +98,10 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def masked_quantile(values: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Linear-interpolation quantile of ``values[mask]`` (``torch.quantile`` semantics) for any number of elements.
+    """Exact linear-interpolation quantile of ``values[mask]`` (``torch.quantile`` semantics), any element count.
 
-    ``torch.quantile`` refuses more than 2^24 elements; this uses ``kthvalue`` on the flat selection.
+    ``torch.quantile`` refuses more than 2^24 elements. Inactive entries are moved below every active one (no
+    boolean indexing) and the two order statistics around ``alpha * (n - 1)`` are selected together.
 
     Args:
         values: any shape; mask: bool, same shape; alpha: in [0, 1].
@@ -106,21 +109,50 @@ def masked_quantile(values: torch.Tensor, mask: torch.Tensor, alpha: float) -> t
     Returns:
         0-dim tensor in ``values.dtype``; 0 when the mask is empty.
     """
-    flat = values[mask]
-    n = flat.numel()
-    if n == 0:
+    num_active = int(torch.count_nonzero(mask))
+    if num_active == 0:
         return values.new_zeros(())
-    pos = alpha * (n - 1)
+    flat = torch.where(mask, values, float("-inf")).reshape(-1)
+    num_inactive = flat.numel() - num_active
+    pos = alpha * (num_active - 1)
     lo = math.floor(pos)
-    v_lo = torch.kthvalue(flat, lo + 1).values
-    if lo + 1 >= n or pos == lo:
-        return v_lo
-    v_hi = torch.kthvalue(flat, lo + 2).values
-    return torch.lerp(v_lo, v_hi, pos - lo)
+    v_lo, v_hi = order_statistic_pair(flat, num_inactive + lo + 1)
+    return v_lo if pos == lo else torch.lerp(v_lo, v_hi, pos - lo)
+
+
+# Inputs up to this size go straight to kthvalue; above it a strided sample of this size brackets the rank.
+_BRACKET_MIN_NUMEL = 1 << 16
+_BRACKET_SAMPLE = 1 << 14
+
+
+def order_statistic_pair(flat: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact ``rank``-th and ``rank + 1``-th smallest values of a 1-D tensor (1-based; the second equals the first
+    when ``rank`` is the last).
+
+    Large inputs: a strided sample's order statistics give a bracket ``[low, high]`` expected to hold both ranks
+    (4 standard deviations of the sample rank on each side); one counting pass checks it, and the selection then
+    runs on the candidates inside the bracket only. A bracket that misses falls back to the whole tensor.
+    """
+    numel = flat.numel()
+    if numel > _BRACKET_MIN_NUMEL:
+        sample = flat[:: numel // _BRACKET_SAMPLE].sort().values
+        size = sample.numel()
+        p_lo, p_hi = (rank - 1) / numel, min(rank + 1, numel) / numel
+        margin = 4.0 * math.sqrt(size * max(p_lo * (1 - p_lo), p_hi * (1 - p_hi))) + 2
+        low = sample[max(int(p_lo * size - margin), 0)]
+        high = sample[min(int(p_hi * size + margin), size - 1)]
+        num_below = int(torch.count_nonzero(flat < low))
+        candidates = flat[(flat >= low) & (flat <= high)]
+        if num_below < rank and num_below + candidates.numel() >= min(rank + 1, numel):
+            flat, rank = candidates, rank - num_below
+    value = torch.kthvalue(flat, rank).values
+    if rank >= flat.numel() or int(torch.count_nonzero(flat <= value)) > rank:  # last rank, or value repeated
+        return value, value
+    return value, torch.where(flat > value, flat, float("inf")).min()
 
 
 def contraction_factor(abs_proxy: torch.Tensor, q: torch.Tensor, gate: GateParams) -> torch.Tensor:
-    """Kernel factor kappa(a; q) for gated units, clipped below at ``min_scale``.
+    """Kernel factor kappa(a; q) for gated units (any shape), clipped below at ``min_scale``.
 
     ``hill``: ``q^n / (q^n + a^n)`` in ``(0, 0.5]`` for ``a > q``; ``hill_shifted``: ``1 / (1 + ((a - q) / q)^n)``.
     """
@@ -128,10 +160,10 @@ def contraction_factor(abs_proxy: torch.Tensor, q: torch.Tensor, gate: GateParam
     if gate.kernel == "hill":
         excess = abs_proxy / q
     elif gate.kernel == "hill_shifted":
-        excess = (abs_proxy - q) / q
+        excess = (abs_proxy - q).div_(q)
     else:
         raise ValueError(f"unknown SAT kernel {gate.kernel!r}; expected one of {list(KERNELS)}")
-    return torch.reciprocal(1.0 + excess.pow(gate.kernel_exponent)).clamp(min=gate.min_scale)
+    return excess.pow_(gate.kernel_exponent).add_(1.0).reciprocal_().clamp_(min=gate.min_scale)
 
 
 def trust_region(
@@ -152,20 +184,22 @@ def trust_region(
     d = proxy.detach().to(stat_dtype(proxy.dtype))
     a = d.abs()
     q = masked_quantile(a, unit_mask, gate.quantile)
-    gated = unit_mask & (a > q) & (q > gate.floor)
-    kappa = torch.where(gated, contraction_factor(a, q, gate), 1.0)
-    contract_up = gated & (d > 0)
-    contract_down = gated & (d < 0)
-    # Ungated endpoints use the Python scalars so that they equal verl's clamp bounds bit for bit.
-    lower = torch.where(contract_down, 1.0 - clip_low * kappa, 1.0 - clip_low).to(loss_dtype)
-    upper = torch.where(contract_up, 1.0 + clip_high * kappa, 1.0 + clip_high).to(loss_dtype)
+    gated = unit_mask & (a > q) if q.item() > gate.floor else torch.zeros_like(unit_mask)
+    # Ungated endpoints are verl's scalars (bit for bit); only the tail's G units are computed and scattered in.
+    lower = torch.full(d.shape, 1.0 - clip_low, dtype=loss_dtype, device=d.device)
+    upper = torch.full(d.shape, 1.0 + clip_high, dtype=loss_dtype, device=d.device)
+    gated_index = gated.nonzero(as_tuple=True)
+    kappa = contraction_factor(a[gated_index], q, gate)
+    contract_up = d[gated_index] > 0  # gated implies a > q >= 0, so d != 0
+    lower[gated_index] = torch.where(contract_up, 1.0 - clip_low, 1.0 - clip_low * kappa).to(loss_dtype)
+    upper[gated_index] = torch.where(contract_up, 1.0 + clip_high * kappa, 1.0 + clip_high).to(loss_dtype)
     return TrustRegion(
         lower=lower,
         upper=upper,
-        c_minus=torch.where(contract_down, kappa, 1.0),
-        c_plus=torch.where(contract_up, kappa, 1.0),
         gated=gated,
+        gated_index=gated_index,
         kappa=kappa,
+        contract_up=contract_up,
         abs_proxy=a,
         unit_mask=unit_mask,
         quantile=q,
@@ -193,6 +227,8 @@ def drop_nan_tokens(
     """
     bad = torch.isnan(log_prob - old_log_prob) | torch.isnan(advantages)  # NaN in either log-prob, or inf - inf
     active = response_mask.bool()
+    if not bool(bad.any()):
+        return log_prob, old_log_prob, advantages, active, torch.zeros_like(active)
     return (
         torch.where(bad, 0.0, log_prob),
         torch.where(bad, 0.0, old_log_prob),
@@ -202,9 +238,10 @@ def drop_nan_tokens(
     )
 
 
-def _nominal_clipped(advantages: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
-    """Where the nominal interval's clip term is active: ``-A * clamp(r, 1 - eps_lo, 1 + eps_hi) > -A * r``."""
-    return ((advantages > 0) & (ratio > 1.0 + clip_high)) | ((advantages < 0) & (ratio < 1.0 - clip_low))
+def _intercepted(clipped: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
+    """Clipped by SAT but not by the nominal interval: SAT's interval lies inside the nominal one, so a clipped
+    token escapes the nominal clip exactly when its ratio is inside ``[1 - eps_lo, 1 + eps_hi]``."""
+    return clipped & (ratio >= 1.0 - clip_low) & (ratio <= 1.0 + clip_high)
 
 
 def sat_token_surrogate(
@@ -246,7 +283,7 @@ def sat_token_surrogate(
         nan_tokens=nan_tokens,
         log_ratio=log_ratio.detach(),
         clipped=clipped,
-        intercepted=clipped & ~_nominal_clipped(advantages, ratio.detach(), clip_low, clip_high),
+        intercepted=_intercepted(clipped, ratio.detach(), clip_low, clip_high),
         dual_clipped=torch.gt(loss_ppo, loss_dual) & (advantages < 0),
         region=region,
     )
@@ -300,7 +337,7 @@ def sat_gspo_surrogate(
         nan_tokens=nan_tokens,
         log_ratio=log_ratio.detach(),
         clipped=clipped,
-        intercepted=clipped & ~_nominal_clipped(advantages, rho.detach(), clip_low, clip_high),
+        intercepted=_intercepted(clipped, rho.detach(), clip_low, clip_high),
         dual_clipped=torch.zeros_like(mask),
         region=region,
     )
