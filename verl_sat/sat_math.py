@@ -218,24 +218,27 @@ def stat_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, log_ratio
 
 def drop_nan_tokens(
     log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Section 6.7: tokens with NaN inputs become inactive and their values 0 (so no NaN reaches sums or grads).
 
     Returns:
-        ``(log_prob, old_log_prob, advantages, mask, nan_tokens)``, all ``[B, T]``; ``mask`` and ``nan_tokens``
-        are bool, ``nan_tokens`` marks originally active tokens that were dropped.
+        ``(log_prob, old_log_prob, advantages, mask, nan_tokens, log_ratio)``, all ``[B, T]``: ``mask`` and
+        ``nan_tokens`` are bool (``nan_tokens``: originally active tokens that were dropped); ``log_ratio`` is the
+        clamped ``lp - lp_old``.
     """
-    bad = torch.isnan(log_prob - old_log_prob) | torch.isnan(advantages)  # NaN in either log-prob, or inf - inf
+    diff = log_prob - old_log_prob
+    bad = torch.isnan(diff + advantages)  # NaN in any input (or inf - inf in the difference)
     active = response_mask.bool()
-    if not bool(bad.any()):
-        return log_prob, old_log_prob, advantages, active, torch.zeros_like(active)
-    return (
-        torch.where(bad, 0.0, log_prob),
-        torch.where(bad, 0.0, old_log_prob),
-        torch.where(bad, 0.0, advantages),
-        active & ~bad,
-        active & bad,
-    )
+    if bool(bad.any()):
+        log_prob = torch.where(bad, 0.0, log_prob)
+        old_log_prob = torch.where(bad, 0.0, old_log_prob)
+        advantages = torch.where(bad, 0.0, advantages)
+        diff = log_prob - old_log_prob
+        nan_tokens, active = active & bad, active & ~bad
+    else:
+        nan_tokens = torch.zeros_like(active)
+    log_ratio = torch.clamp(diff, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+    return log_prob, old_log_prob, advantages, active, nan_tokens, log_ratio
 
 
 def _intercepted(clipped: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
@@ -262,10 +265,9 @@ def sat_token_surrogate(
     """
     if not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip PPO, got {clip_ratio_c}")
-    log_prob, old_log_prob, advantages, mask, nan_tokens = drop_nan_tokens(
+    log_prob, old_log_prob, advantages, mask, nan_tokens, log_ratio = drop_nan_tokens(
         log_prob, old_log_prob, advantages, response_mask
     )
-    log_ratio = torch.clamp(log_prob - old_log_prob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
     proxy = stat_log_ratio(log_prob, old_log_prob, log_ratio)
     region = trust_region(proxy, mask, clip_low, clip_high, gate, log_ratio.dtype)
 
@@ -309,10 +311,9 @@ def sat_gspo_surrogate(
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"unknown SAT granularity {granularity!r}; expected one of {list(GRANULARITIES)}")
-    log_prob, old_log_prob, advantages, mask, nan_tokens = drop_nan_tokens(
+    log_prob, old_log_prob, advantages, mask, nan_tokens, log_ratio = drop_nan_tokens(
         log_prob, old_log_prob, advantages, response_mask
     )
-    log_ratio = torch.clamp(log_prob - old_log_prob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
     lengths = torch.sum(mask, dim=-1)
     seq_log_ratio = torch.sum(log_ratio * mask, dim=-1) / lengths.clamp(min=1)  # s_i, [B]
 
