@@ -82,7 +82,7 @@ def main() -> None:
                 fns = {name: get_policy_loss_fn(name) for name in (sat_name, verl_name)}
                 times = {sat_name: [], verl_name: []}
                 for _ in range(2):  # warm-up
-                    for name, fn in fns.items():
+                    for fn in fns.values():
                         _time_once(fn, *inputs, agg, config, args.device)
                 for _ in range(args.repeats):  # interleaved so that machine noise hits both
                     for name, fn in fns.items():
