@@ -41,7 +41,10 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_packages(include=["verl_sat", "verl_sat.*"]),
+    # the top-level recipes/ folder is the Hydra config group, shipped as verl_sat.recipes (pkg://verl_sat.recipes)
+    packages=[*find_packages(include=["verl_sat", "verl_sat.*"]), "verl_sat.recipes"],
+    package_dir={"verl_sat.recipes": "recipes"},
+    package_data={"verl_sat.recipes": ["recipe/*.yaml", "lag/*.yaml", "r3/*.yaml"]},
     install_requires=install_requires,
     extras_require=extras_require,
     entry_points={

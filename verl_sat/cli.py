@@ -17,6 +17,7 @@ import argparse
 import sys
 
 from verl_sat.doctor import run_doctor
+from verl_sat.recipe_catalog import format_catalog
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,9 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="verl-sat", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("doctor", help="check that `import verl` registers the sat/sat_gspo losses")
+    commands.add_parser("recipes", help="list the recipes (+recipe=NAME) and lags (+lag=NAME), one line each")
     args = parser.parse_args(argv)
     if args.command == "doctor":
         return run_doctor()
+    if args.command == "recipes":
+        print(format_catalog())
+        return 0
     parser.error(f"unknown command {args.command!r}")
     return 2
 

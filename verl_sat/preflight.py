@@ -1,0 +1,83 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Checks run before verl starts Ray: the composed config must name a registered loss that verl-sat can build,
+and the recipe's features must be available for the configured engine. Each failure says what to change."""
+
+from omegaconf import DictConfig
+
+FSDP_STRATEGIES = ("fsdp", "fsdp2")
+
+
+class PreflightError(RuntimeError):
+    """A composed config that verl would accept but that cannot run as the user intends."""
+
+
+def check_config(config: DictConfig) -> None:
+    """Raise ``PreflightError`` for the first problem found in a composed verl config."""
+    _check_plugin()
+    actor = config.actor_rollout_ref.actor
+    loss_mode = actor.policy_loss.get("loss_mode", "vanilla")
+    _check_loss_registered(loss_mode)
+    _check_policy_loss_config(actor.policy_loss)
+    _check_trainer(config, loss_mode)
+    _check_routing_replay(config)
+
+
+def _check_plugin() -> None:
+    try:
+        import verl_sat.plugin  # noqa: F401
+    except Exception as err:  # the real exception, not verl's DEBUG line
+        raise PreflightError(f"the verl-sat plugin does not import: {err!r}. Run `verl-sat doctor`.") from err
+
+
+def _check_loss_registered(loss_mode: str) -> None:
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    if loss_mode not in POLICY_LOSS_REGISTRY:
+        raise PreflightError(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode!r} is not a registered policy loss; "
+            f"registered: {sorted(POLICY_LOSS_REGISTRY)}"
+        )
+
+
+def _check_policy_loss_config(policy_loss: DictConfig) -> None:
+    """Build the policy-loss dataclass exactly as verl's workers will (imports ``_target_``, validates ``sat``)."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    try:
+        omega_conf_to_dataclass(policy_loss)
+    except Exception as err:
+        cause = err.__cause__ or err
+        raise PreflightError(f"actor_rollout_ref.actor.policy_loss does not build: {cause}") from err
+
+
+def _check_trainer(config: DictConfig, loss_mode: str) -> None:
+    bypass = config.algorithm.get("rollout_correction", {}).get("bypass_mode", False)
+    if bypass and not config.trainer.get("use_v1", False):
+        raise PreflightError(
+            f"trainer.use_v1=false with algorithm.rollout_correction.bypass_mode=true: verl's legacy trainer replaces "
+            f"policy_loss.loss_mode={loss_mode!r} with 'bypass_mode'. Use the v1 trainer (trainer.use_v1=true)."
+        )
+
+
+def _check_routing_replay(config: DictConfig) -> None:
+    if not config.actor_rollout_ref.rollout.get("enable_rollout_routing_replay", False):
+        return
+    strategy = config.actor_rollout_ref.actor.strategy
+    if strategy in FSDP_STRATEGIES:
+        raise PreflightError(
+            f"routing replay (R3) is on but actor_rollout_ref.actor.strategy={strategy!r}: verl 0.9.1 replays routes "
+            "only in its Megatron and VeOmni engines, and verl-sat's FSDP routing replay has not landed yet. "
+            "Run the R3 recipes with --config-name ppo_megatron_trainer, or pick a recipe without _r3."
+        )
