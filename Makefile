@@ -26,8 +26,8 @@ bench: install
 	$(PY) benchmarks/bench_losses.py
 
 lint: install
-	$(VENV)/bin/ruff check verl_sat tests benchmarks setup.py
-	$(VENV)/bin/ruff format --check verl_sat tests benchmarks setup.py
+	$(VENV)/bin/ruff check verl_sat tests benchmarks recipes setup.py
+	$(VENV)/bin/ruff format --check verl_sat tests benchmarks recipes setup.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

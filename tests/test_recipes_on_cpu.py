@@ -13,6 +13,7 @@
 # limitations under the License.
 """The recipe group and ``python -m verl_sat.main``: composition with verl 0.9.1's configs, key by key."""
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -237,3 +238,24 @@ def test_searchpath_goes_before_the_overrides_and_flags_first():
     ]  # fmt: skip
     custom = ["+recipe=grpo", "hydra.searchpath=[pkg://my.recipes]"]
     assert with_recipes_searchpath(custom) == custom
+
+
+@pytest.mark.parametrize(
+    "script,loss_mode,threshold,r3",
+    [
+        ("run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh", "sat_gspo", 9, True),
+        ("run_qwen2_5_7b_sat_grpo_fsdp.sh", "sat", 2, False),
+    ],
+)
+def test_example_scripts_compose(script, loss_mode, threshold, r3, tmp_path):
+    """Every override in the example launch scripts is a key verl 0.9.1 knows (``--cfg job`` passed through)."""
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True).stdout.strip()
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(
+        ["bash", f"{root}/examples/{script}", "--cfg", "job"], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    printed = OmegaConf.create(proc.stdout)
+    assert printed.actor_rollout_ref.actor.policy_loss.loss_mode == loss_mode
+    assert printed.trainer.v1.sampler.max_off_policy_threshold == threshold
+    assert printed.actor_rollout_ref.rollout.enable_rollout_routing_replay is r3
