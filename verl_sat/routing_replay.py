@@ -1,0 +1,306 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Rollout routing replay (R3) for Hugging Face MoE models.
+
+The rollout engine's expert choices are replayed in the trainer's forward, while the trainer's own router still
+produces the weights (its scores gathered at the replayed experts), so the router keeps learning::
+
+    rr = RoutingReplay.attach(model)
+    with rr.record() as rec:
+        model(input_ids=..., attention_mask=...)
+    routes = rec.routed_experts              # int16 [batch, seq, num_hidden_layers, top_k], verl's layout
+    with rr.replay(routes):
+        out = model(input_ids=..., attention_mask=...)
+    rr.detach()
+
+Routes are indexed by absolute decoder-layer index (dense layers keep zero rows); an all-zero row means "no
+recorded route, route natively". Packed input (``[1, nnz]``) takes routes ``[nnz, num_layers, top_k]``.
+Replaying the native routes reproduces the native forward bit for bit: each family's score rule is applied exactly
+as its own router applies it.
+"""
+
+import re
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+ScoreRule = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _softmax_then_gather(always_normalize: bool, cast_back: bool) -> ScoreRule:
+    """Softmax over all experts (float32), gathered at the routes, renormalised (``norm_topk_prob``)."""
+
+    def rule(router: nn.Module, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
+        scores = probs.gather(1, indices)
+        if always_normalize or router.norm_topk_prob:
+            scores = scores / scores.sum(dim=-1, keepdim=True)
+        return scores.to(logits.dtype) if cast_back else scores
+
+    return rule
+
+
+def _gather_then_softmax(router: nn.Module, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS: softmax over the selected experts' logits only."""
+    selected = logits.gather(1, indices)
+    return torch.nn.functional.softmax(selected, dim=1, dtype=selected.dtype)
+
+
+def _mixtral(router: nn.Module, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    scores = torch.nn.functional.softmax(logits.float(), dim=-1).gather(1, indices)
+    return scores / scores.sum(dim=-1, keepdim=True)
+
+
+# `*TopKRouter` modules return (logits, scores, indices); the rule recomputes `scores` for replayed indices.
+TOPK_ROUTER_RULES: dict[str, ScoreRule] = {
+    "Qwen2MoeTopKRouter": _softmax_then_gather(always_normalize=False, cast_back=True),
+    "Qwen3MoeTopKRouter": _softmax_then_gather(always_normalize=False, cast_back=True),
+    "Qwen3NextTopKRouter": _softmax_then_gather(always_normalize=False, cast_back=True),
+    "OlmoeTopKRouter": _softmax_then_gather(always_normalize=False, cast_back=True),
+    "Qwen3_5MoeTopKRouter": _softmax_then_gather(always_normalize=True, cast_back=True),
+    "MixtralTopKRouter": _mixtral,
+    "GptOssTopKRouter": _gather_then_softmax,
+}
+# MoE blocks that choose experts in `route_tokens_to_experts(router_logits)` (sigmoid, score bias, group top-k).
+SIGMOID_GROUP_MOE_BLOCKS = ("DeepseekV3MoE", "Glm4MoeMoE")
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class RoutingReplayError(ValueError):
+    """Routes that do not fit the model or the input, or a model whose routers are not supported."""
+
+
+@dataclass
+class _RouterSlot:
+    """One router (or MoE block) of decoder layer ``layer``: its replay targets and recorded routes."""
+
+    layer: int
+    num_experts: int
+    top_k: int
+    targets: torch.Tensor | None = None  # [N, top_k] long, replayed in this forward (and its recompute)
+    recorded: torch.Tensor | None = None  # [N, top_k] int16, routes chosen natively in the last forward
+
+
+@dataclass
+class Recording:
+    """Routes chosen by the forward(s) run inside ``RoutingReplay.record()``."""
+
+    num_layers: int
+    top_k: int
+    token_shape: tuple[int, ...] = ()
+    per_layer: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def routed_experts(self) -> torch.Tensor:
+        """int16 ``[*token_shape, num_hidden_layers, top_k]``; layers without a router keep zero rows."""
+        if not self.per_layer:
+            raise RoutingReplayError("nothing was recorded: run the model inside `with rr.record():`")
+        first = next(iter(self.per_layer.values()))
+        routes = torch.zeros(first.shape[0], self.num_layers, self.top_k, dtype=torch.int16, device=first.device)
+        for layer, chosen in self.per_layer.items():
+            routes[:, layer] = chosen
+        return routes.reshape(*self.token_shape, self.num_layers, self.top_k)
+
+
+class RoutingReplay:
+    """Record and replay the expert choices of every router of a Hugging Face MoE model (see module docstring).
+
+    Attach once; hooks cost one Python call per router per forward and change nothing outside ``record()`` or
+    ``replay()``. Under gradient checkpointing the backward recompute of a replayed forward replays the same routes.
+    """
+
+    def __init__(self, model: nn.Module, slots: dict[nn.Module, _RouterSlot], num_layers: int):
+        self.model = model
+        self.num_layers = num_layers
+        self._slots = slots
+        self._mode = "native"
+        self._recording: Recording | None = None
+        self._flips = 0
+        self._compared = 0
+        self._layers_replayed: set[int] = set()
+        self._handles: list = []
+        top_ks = {slot.top_k for slot in slots.values()}
+        if len(top_ks) != 1:
+            raise RoutingReplayError(f"routers disagree on top_k: {sorted(top_ks)}")
+        self.top_k = top_ks.pop()
+
+    # ---- construction ------------------------------------------------------------------------------------------
+    @classmethod
+    def attach(cls, model: nn.Module) -> "RoutingReplay":
+        """Find every router of ``model`` and hook it. Raises ``RoutingReplayError`` for unsupported families."""
+        config = getattr(model, "config", None)
+        num_layers = getattr(getattr(config, "get_text_config", lambda: config)(), "num_hidden_layers", None)
+        if num_layers is None:
+            raise RoutingReplayError("the model's config has no num_hidden_layers; routes are indexed by layer")
+        slots: dict[nn.Module, _RouterSlot] = {}
+        unsupported = []
+        for name, module in model.named_modules():
+            kind = type(module).__name__
+            if kind in SIGMOID_GROUP_MOE_BLOCKS:
+                slots[module] = _RouterSlot(_layer_of(name), module.n_routed_experts, module.top_k)
+            elif kind in TOPK_ROUTER_RULES:
+                slots[module] = _RouterSlot(_layer_of(name), module.num_experts, module.top_k)
+            elif kind.endswith(("TopKRouter", "TopkRouter")) and not _inside_supported_block(name, model):
+                unsupported.append(f"{name} ({kind})")
+        if unsupported:
+            raise RoutingReplayError(
+                f"routing replay does not support these routers: {unsupported}; supported: "
+                f"{sorted(TOPK_ROUTER_RULES)} and the MoE blocks {list(SIGMOID_GROUP_MOE_BLOCKS)}"
+            )
+        if not slots:
+            raise RoutingReplayError(
+                f"no MoE router found in {type(model).__name__}; supported: {sorted(TOPK_ROUTER_RULES)} and the MoE "
+                f"blocks {list(SIGMOID_GROUP_MOE_BLOCKS)}"
+            )
+        replay = cls(model, slots, num_layers)
+        replay._install()
+        return replay
+
+    def _install(self) -> None:
+        self._handles.append(self.model.register_forward_pre_hook(self._capture_token_shape, with_kwargs=True))
+        for module in self._slots:
+            if type(module).__name__ in SIGMOID_GROUP_MOE_BLOCKS:
+                module.route_tokens_to_experts = types.MethodType(self._routed_sigmoid_group, module)
+            else:
+                self._handles.append(module.register_forward_hook(self._routed_topk))
+
+    def detach(self) -> None:
+        """Remove every hook: the model routes natively again."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for module in self._slots:
+            module.__dict__.pop("route_tokens_to_experts", None)
+
+    # ---- public contexts ---------------------------------------------------------------------------------------
+    @contextmanager
+    def record(self) -> Iterator[Recording]:
+        """Record the routes chosen natively by the forward(s) inside the context."""
+        self._recording = Recording(self.num_layers, self.top_k)
+        self._mode = "record"
+        try:
+            yield self._recording
+        finally:
+            self._mode = "native"
+            self._recording = None
+
+    @contextmanager
+    def replay(self, routed_experts: torch.Tensor) -> Iterator["RoutingReplay"]:
+        """Replay ``routed_experts`` (``[batch, seq, L, top_k]`` or packed ``[nnz, L, top_k]``) in the forward(s)
+        inside the context, and in their recompute under gradient checkpointing."""
+        targets = self._split_routes(routed_experts)
+        for slot in self._slots.values():
+            slot.targets = targets[slot.layer]
+        self._flips, self._compared, self._layers_replayed = 0, 0, set()
+        self._mode = "replay"
+        try:
+            yield self
+        finally:
+            self._mode = "native"  # targets stay for a backward recompute; the next native forward drops them
+
+    def replay_metrics(self) -> dict[str, float]:
+        """Of the last replay: fraction of (token, layer) routes where the trainer's native top-k set differs from
+        the replayed one, and the number of layers replayed."""
+        return {
+            "actor/r3_route_flip_frac": self._flips / self._compared if self._compared else 0.0,
+            "actor/r3_layers_replayed": float(len(self._layers_replayed)),
+        }
+
+    # ---- hooks -------------------------------------------------------------------------------------------------
+    def _capture_token_shape(self, module, args, kwargs) -> None:
+        if self._recording is None:
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs["inputs_embeds"][..., 0]
+        self._recording.token_shape = tuple(ids.shape)
+
+    def _routed_topk(self, router: nn.Module, args, output):
+        logits, scores, native = output
+        indices = self._choose(router, native)
+        if indices is native:
+            return output
+        return logits, TOPK_ROUTER_RULES[type(router).__name__](router, logits, indices), indices
+
+    def _routed_sigmoid_group(self, block: nn.Module, router_logits: torch.Tensor):
+        native, weights = type(block).route_tokens_to_experts(block, router_logits)
+        indices = self._choose(block, native)
+        if indices is native:
+            return native, weights
+        scores = router_logits.sigmoid().gather(1, indices)
+        if block.norm_topk_prob:
+            scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+        return indices, scores * block.routed_scaling_factor
+
+    def _choose(self, module: nn.Module, native: torch.Tensor) -> torch.Tensor:
+        """The indices this router uses now: the replayed targets (native on all-zero rows) or its own."""
+        slot = self._slots[module]
+        in_backward = torch._C._current_graph_task_id() != -1  # a gradient-checkpointing recompute
+        if self._mode == "record" and not in_backward:
+            self._recording.per_layer[slot.layer] = native.to(torch.int16)
+        if slot.targets is None or (self._mode != "replay" and not in_backward):
+            slot.targets = None  # a native forward: earlier targets no longer belong to any pending backward
+            return native
+        targets = slot.targets.to(native.device)
+        if targets.shape[0] != native.shape[0]:
+            raise RoutingReplayError(
+                f"routes cover {targets.shape[0]} tokens but layer {slot.layer} routes {native.shape[0]}: pass "
+                "routes [batch, seq, L, top_k] for padded input or [nnz, L, top_k] for packed input"
+            )
+        no_route = (targets == 0).all(dim=-1, keepdim=True)
+        indices = torch.where(no_route, native, targets)
+        if not in_backward:
+            with torch.no_grad():
+                replayed = ~no_route.squeeze(-1)
+                differs = (native.sort(dim=-1).values != indices.sort(dim=-1).values).any(dim=-1)
+                self._flips += int((differs & replayed).sum())
+                self._compared += int(replayed.sum())
+                self._layers_replayed.add(slot.layer)
+        return indices
+
+    # ---- validation --------------------------------------------------------------------------------------------
+    def _split_routes(self, routes: torch.Tensor) -> dict[int, torch.Tensor]:
+        if routes.dim() < 3 or routes.shape[-2] != self.num_layers or routes.shape[-1] != self.top_k:
+            raise RoutingReplayError(
+                f"routed_experts has shape {tuple(routes.shape)}; expected [..., num_hidden_layers="
+                f"{self.num_layers}, top_k={self.top_k}]"
+            )
+        flat = routes.reshape(-1, self.num_layers, self.top_k).long()
+        targets = {}
+        for slot in self._slots.values():
+            layer_routes = flat[:, slot.layer]
+            if layer_routes.numel() and (layer_routes.min() < 0 or layer_routes.max() >= slot.num_experts):
+                raise RoutingReplayError(
+                    f"routed_experts of layer {slot.layer} hold expert ids in "
+                    f"[{int(layer_routes.min())}, {int(layer_routes.max())}]; the model has {slot.num_experts} experts"
+                )
+            targets[slot.layer] = layer_routes
+        return targets
+
+
+def _layer_of(module_name: str) -> int:
+    match = _LAYER_INDEX.search(module_name)
+    if match is None:
+        raise RoutingReplayError(f"cannot tell the decoder layer of router {module_name!r}")
+    return int(match.group(1))
+
+
+def _inside_supported_block(name: str, model: nn.Module) -> bool:
+    """A router inside a supported MoE block (e.g. DeepSeek-V3's ``gate``) is replayed through its block."""
+    parent = name.rsplit(".", 1)[0] if "." in name else ""
+    return type(model.get_submodule(parent)).__name__ in SIGMOID_GROUP_MOE_BLOCKS
