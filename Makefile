@@ -24,6 +24,7 @@ test: install
 
 bench: install
 	$(PY) benchmarks/bench_losses.py
+	$(PY) benchmarks/bench_routing_replay.py
 
 lint: install
 	$(VENV)/bin/ruff check verl_sat tests benchmarks recipes setup.py
