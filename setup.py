@@ -30,7 +30,7 @@ extras_require = {
     "vllm": ["verl[vllm]==0.9.1"],
     "megatron": ["verl[megatron]==0.9.1"],
     "gpu": ["verl[flash-attn-cu130torch211]==0.9.1"],
-    "test": ["pytest>=8", "ruff>=0.6"],
+    "test": ["pytest>=8", "ruff>=0.6", "setuptools>=70.1"],  # setuptools: the wheel-content test builds a wheel
 }
 
 setup(
