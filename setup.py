@@ -22,6 +22,7 @@ install_requires = [
     "torch>=2.6",
     "hydra-core>=1.3",
     "omegaconf>=2.3",
+    "wrapt>=1.14",  # post-import hook: add routing replay to verl's FSDP engine when verl imports it
 ]
 
 extras_require = {

@@ -24,7 +24,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from verl.trainer.config import AlgoConfig
 from verl.utils.config import omega_conf_to_dataclass
-from verl.workers.config import McoreActorConfig, RolloutConfig
+from verl.workers.config import EngineRouterReplayConfig, McoreActorConfig, RolloutConfig
 
 from verl_sat.config import SatConfig, SatPolicyLossConfig
 from verl_sat.main import with_recipes_searchpath
@@ -134,9 +134,42 @@ def test_bad_override_fails_with_the_sat_config_error():
         check_config(cfg)
 
 
-def test_r3_under_fsdp_stops_at_start():
+def test_megatron_r3_under_fsdp_stops_at_start():
     cfg = compose_recipe("sat_gspo_r3", "lag8", config_name="ppo_trainer")
-    with pytest.raises(PreflightError, match="routing replay .R3. is on but actor_rollout_ref.actor.strategy='fsdp'"):
+    with pytest.raises(
+        PreflightError, match="Megatron routing replay .r3=megatron. but .*strategy='fsdp': add r3=fsdp"
+    ):
+        check_config(cfg)
+
+
+@pytest.mark.parametrize("recipe", ["gspo_r3", "sat_grpo_r3", "sat_gspo_r3"])
+def test_fsdp_r3_composes_and_builds(recipe):
+    """``r3=fsdp`` selects verl-sat's FSDP routing replay with verl's own EngineRouterReplayConfig."""
+    cfg = compose_recipe(recipe, "lag8", "r3=fsdp", config_name="ppo_trainer")
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert isinstance(actor.fsdp_config.router_replay, EngineRouterReplayConfig)
+    assert actor.fsdp_config.router_replay.mode == "R3" and actor.engine.router_replay.mode == "R3"
+    assert "megatron" not in cfg.actor_rollout_ref.actor
+    assert (
+        cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay and cfg.actor_rollout_ref.model.use_remove_padding
+    )
+    assert "router_replay" not in cfg.actor_rollout_ref.ref.fsdp_config  # the reference model routes natively
+    check_config(cfg)
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        base = compose("ppo_trainer", overrides=SMALL_BATCH)
+    keys = _flat_keys(OmegaConf.to_container(cfg, resolve=False))
+    added = keys - _flat_keys(OmegaConf.to_container(base, resolve=False))
+    added = {k for k in added if not k.startswith("actor_rollout_ref.actor.policy_loss.sat.")}
+    assert added == {  # the one deliberate addition: verl's FSDP yaml has no router_replay block
+        "actor_rollout_ref.actor.fsdp_config.router_replay._target_",
+        "actor_rollout_ref.actor.fsdp_config.router_replay.mode",
+    }
+
+
+def test_fsdp_r3_without_replay_on_the_actor_is_refused():
+    cfg = compose_recipe("sat_gspo", "lag1", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+                         config_name="ppo_trainer")  # fmt: skip
+    with pytest.raises(PreflightError, match=r"\+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3"):
         check_config(cfg)
 
 
@@ -227,7 +260,7 @@ def test_wheel_ships_the_recipes(tmp_path):
         assert f"verl_sat/recipes/recipe/{recipe}.yaml" in names
     for lag in LAGS:
         assert f"verl_sat/recipes/lag/{lag}.yaml" in names
-    assert "verl_sat/recipes/r3/megatron.yaml" in names
+    assert "verl_sat/recipes/r3/megatron.yaml" in names and "verl_sat/recipes/r3/fsdp.yaml" in names
 
 
 def test_searchpath_goes_before_the_overrides_and_flags_first():

@@ -74,10 +74,20 @@ def _check_trainer(config: DictConfig, loss_mode: str) -> None:
 def _check_routing_replay(config: DictConfig) -> None:
     if not config.actor_rollout_ref.rollout.get("enable_rollout_routing_replay", False):
         return
-    strategy = config.actor_rollout_ref.actor.strategy
-    if strategy in FSDP_STRATEGIES:
+    actor = config.actor_rollout_ref.actor
+    if actor.strategy not in FSDP_STRATEGIES:
+        return
+    if "megatron" in actor:
         raise PreflightError(
-            f"routing replay (R3) is on but actor_rollout_ref.actor.strategy={strategy!r}: verl 0.9.1 replays routes "
-            "only in its Megatron and VeOmni engines, and verl-sat's FSDP routing replay has not landed yet. "
-            "Run the R3 recipes with --config-name ppo_megatron_trainer, or pick a recipe without _r3."
+            f"the recipe turns on verl's Megatron routing replay (r3=megatron) but actor_rollout_ref.actor.strategy="
+            f"{actor.strategy!r}: add r3=fsdp for verl-sat's FSDP routing replay, or run with "
+            "--config-name ppo_megatron_trainer"
         )
+    mode = actor.fsdp_config.get("router_replay", {}).get("mode", "disabled")
+    if mode != "R3":
+        raise PreflightError(
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true but the FSDP actor does not replay: set "
+            "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3 (or r3=fsdp with an *_r3 recipe)"
+        )
+    if not config.actor_rollout_ref.model.get("use_remove_padding", False):
+        raise PreflightError("routing replay under FSDP needs actor_rollout_ref.model.use_remove_padding=true")

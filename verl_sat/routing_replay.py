@@ -203,15 +203,23 @@ class RoutingReplay:
     def replay(self, routed_experts: torch.Tensor) -> Iterator["RoutingReplay"]:
         """Replay ``routed_experts`` (``[batch, seq, L, top_k]`` or packed ``[nnz, L, top_k]``) in the forward(s)
         inside the context, and in their recompute under gradient checkpointing."""
+        self.begin_replay(routed_experts)
+        try:
+            yield self
+        finally:
+            self.end_replay()
+
+    def begin_replay(self, routed_experts: torch.Tensor) -> None:
+        """Arm replay of ``routed_experts`` for the next forward(s) (``replay()`` without the context)."""
         targets = self._split_routes(routed_experts)
         for slot in self._slots.values():
             slot.targets = targets[slot.layer]
         self._flips, self._compared, self._layers_replayed = 0, 0, set()
         self._mode = "replay"
-        try:
-            yield self
-        finally:
-            self._mode = "native"  # targets stay for a backward recompute; the next native forward drops them
+
+    def end_replay(self) -> None:
+        """Back to native routing; the targets stay for a backward recompute until the next native forward."""
+        self._mode = "native"
 
     def replay_metrics(self) -> dict[str, float]:
         """Of the last replay: fraction of (token, layer) routes where the trainer's native top-k set differs from

@@ -1,0 +1,121 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Rollout routing replay (R3) under verl's FSDP engine for Hugging Face MoE models.
+
+``actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3`` (verl's own ``EngineRouterReplayConfig``) makes the
+actor replay the ``routed_experts`` the rollout engine returned, in both ``compute_log_prob`` and the update. The
+reference model has its own engine config and keeps native routing.
+
+verl 0.9.1's FSDP engine ignores ``routed_experts``. ``RoutingReplayFSDPEngine`` subclasses its
+``FSDPEngineWithLMHead`` and behaves exactly like it unless R3 is on; ``register_engine`` puts it in verl's
+``EngineRegistry``. The plugin calls it when verl imports its FSDP engine, so ``import verl`` does not import it.
+"""
+
+import logging
+
+import torch
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.utils.ulysses import slice_input_tensor
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+from verl_sat.routing_replay import RoutingReplay
+
+logger = logging.getLogger(__name__)
+
+FSDP_BACKENDS = ("fsdp", "fsdp2")
+
+
+def micro_batch_routes(routed_experts: torch.Tensor, pad_size: int, sequence_parallel: bool) -> torch.Tensor:
+    """This rank's replay targets for one packed micro-batch, laid out like the ``input_ids`` the model sees.
+
+    Args:
+        routed_experts: nested ``[bs, j, L, top_k]`` (as ``left_right_2_no_padding`` leaves it) or ``[nnz, L, top_k]``.
+        pad_size: rows the engine appended to the packed sequence (static pad + Ulysses pad); they get zero rows,
+            which route natively.
+        sequence_parallel: slice along the tokens like ``input_ids`` under Ulysses sequence parallelism.
+
+    Returns:
+        int64 ``[(nnz + pad_size) / sp_size, L, top_k]``.
+    """
+    targets = (routed_experts.values() if routed_experts.is_nested else routed_experts).to(torch.int64)
+    if pad_size:
+        targets = torch.cat([targets, targets.new_zeros((pad_size, *targets.shape[1:]))])
+    if sequence_parallel:
+        targets = slice_input_tensor(targets, dim=0, padding=False)
+    return targets
+
+
+class RoutingReplayFSDPEngine(FSDPEngineWithLMHead):
+    """verl's FSDP language-model engine with rollout routing replay (R3) for Hugging Face MoE models."""
+
+    _routing_replay: RoutingReplay | None = None
+
+    def _r3_enabled(self) -> bool:
+        return self.engine_config.router_replay.mode == "R3"
+
+    def prepare_model_inputs(self, micro_batch: TensorDict):
+        model_inputs, output_args = super().prepare_model_inputs(micro_batch)
+        if self._r3_enabled():
+            self._arm_routing_replay(micro_batch, output_args)
+        return model_inputs, output_args
+
+    def _arm_routing_replay(self, micro_batch: TensorDict, output_args: dict) -> None:
+        if not tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
+            raise RuntimeError(
+                "router_replay.mode=R3 under the FSDP engine needs packed inputs: set "
+                "actor_rollout_ref.model.use_remove_padding=True"
+            )
+        routed = micro_batch.get("routed_experts", None)
+        if routed is None:
+            raise RuntimeError(
+                "router_replay.mode=R3: the micro-batch has no 'routed_experts'. Set "
+                "actor_rollout_ref.rollout.enable_rollout_routing_replay=True so the rollout returns them."
+            )
+        if self._routing_replay is None:
+            self._routing_replay = RoutingReplay.attach(self.module)
+        targets = micro_batch_routes(routed, int(output_args.get("pad_size", 0)), self.use_ulysses_sp)
+        self._routing_replay.begin_replay(targets)
+
+    def prepare_model_outputs(self, output, output_args, micro_batch: TensorDict, logits_processor_func):
+        if self._routing_replay is not None:
+            self._routing_replay.end_replay()  # the forward is done; the targets stay for a recompute
+        return super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
+
+    def forward_step(self, micro_batch: TensorDict, loss_function, forward_only):
+        loss, output = super().forward_step(micro_batch, loss_function, forward_only)
+        if self._r3_enabled() and self._routing_replay is not None:
+            output["metrics"].update(self._routing_replay.replay_metrics())
+        return loss, output
+
+
+def register_engine(*_) -> None:
+    """Replace verl's ``FSDPEngineWithLMHead`` with ``RoutingReplayFSDPEngine`` in ``EngineRegistry`` for language
+    models on the fsdp/fsdp2 backends, for every device it was registered for.
+
+    ``EngineRegistry.register`` refuses a key twice, so the entries are replaced in place; an entry that is not
+    verl's own class (another plugin's engine) is left alone with a warning.
+    """
+    language_models = EngineRegistry._engines["language_model"]
+    for backend in FSDP_BACKENDS:
+        for key, registered in language_models.get(backend, {}).items():
+            if registered is FSDPEngineWithLMHead:
+                language_models[backend][key] = RoutingReplayFSDPEngine
+            elif registered is not RoutingReplayFSDPEngine:
+                logger.warning(
+                    "verl-sat: the %s/%s language-model engine is %s, not verl's FSDPEngineWithLMHead; "
+                    "routing replay under FSDP is not added to it",
+                    backend, key, registered.__name__,
+                )  # fmt: skip
