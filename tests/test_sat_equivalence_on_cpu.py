@@ -96,19 +96,20 @@ def test_masked_quantile_matches_torch_quantile():
     assert masked_quantile(values, torch.zeros_like(mask), 0.9).item() == 0.0
 
 
+@pytest.mark.parametrize("shape", [(300, 1000), (80, 100)])
 @pytest.mark.parametrize("kind", ["continuous", "ties", "adversarial_stride"])
-def test_masked_quantile_bracket_path_is_exact(kind):
+def test_masked_quantile_bracket_path_is_exact(kind, shape):
     """Inputs above the bracketing threshold (a sampled bracket, then kthvalue on the candidates) stay exact,
     including many ties and a periodic layout that makes the strided sample miss (the fallback path)."""
     gen = torch.Generator().manual_seed(1)
-    shape = (300, 1000)
+    numel = shape[0] * shape[1]
     if kind == "continuous":
         values = torch.randn(shape, generator=gen).abs()
     elif kind == "ties":
         values = torch.randint(0, 7, shape, generator=gen).float()
     else:  # every element the stride samples is huge, so the sample's bracket lies far above the true quantile
-        flat = torch.rand(shape[0] * shape[1], generator=gen)
-        flat[:: flat.numel() // (1 << 14)] = 1e6
+        flat = torch.rand(numel, generator=gen)
+        flat[:: max(numel // (1 << 14), 16)] = 1e6
         values = flat.reshape(shape)
     values = values.double()  # float64: torch.quantile's float32 interpolation weight is coarser than ours
     mask = torch.rand(shape, generator=gen) > 0.25

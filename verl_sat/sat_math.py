@@ -120,8 +120,9 @@ def masked_quantile(values: torch.Tensor, mask: torch.Tensor, alpha: float) -> t
     return v_lo if pos == lo else torch.lerp(v_lo, v_hi, pos - lo)
 
 
-# Inputs up to this size go straight to kthvalue; above it a strided sample of this size brackets the rank.
-_BRACKET_MIN_NUMEL = 1 << 16
+# Inputs up to this size go straight to kthvalue; above it a strided sample of numel / 16 elements (at most
+# _BRACKET_SAMPLE) brackets the rank, and kthvalue runs on the few candidates inside the bracket.
+_BRACKET_MIN_NUMEL = 1 << 12
 _BRACKET_SAMPLE = 1 << 14
 
 
@@ -135,7 +136,7 @@ def order_statistic_pair(flat: torch.Tensor, rank: int) -> tuple[torch.Tensor, t
     """
     numel = flat.numel()
     if numel > _BRACKET_MIN_NUMEL:
-        sample = flat[:: numel // _BRACKET_SAMPLE].sort().values
+        sample = flat[:: max(numel // _BRACKET_SAMPLE, 16)].sort().values
         size = sample.numel()
         p_lo, p_hi = (rank - 1) / numel, min(rank + 1, numel) / numel
         margin = 4.0 * math.sqrt(size * max(p_lo * (1 - p_lo), p_hi * (1 - p_hi))) + 2
