@@ -26,11 +26,24 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("doctor", help="check that `import verl` registers the sat/sat_gspo losses")
     commands.add_parser("recipes", help="list the recipes (+recipe=NAME) and lags (+lag=NAME), one line each")
+    prep = commands.add_parser("prepare", help="build the embedded engine's tokenizer, MoE policy and task offline")
+    prep.add_argument("--workdir", default="verl_sat_work", help="output folder (default: verl_sat_work)")
+    prep.add_argument("--seed", type=int, default=0, help="seed: the same seed gives the same files")
     args = parser.parse_args(argv)
     if args.command == "doctor":
         return run_doctor()
     if args.command == "recipes":
         print(format_catalog())
+        return 0
+    if args.command == "prepare":
+        from verl_sat.embedded.prepare import prepare
+
+        manifest = prepare(args.workdir, args.seed)
+        print(
+            f"prepared {args.workdir}: {manifest['num_parameters']:,}-parameter MoE policy, "
+            f"{manifest['num_train']} train / {manifest['num_test']} test problems; greedy test accuracy "
+            f"{manifest['test_accuracy_before_warm_start']:.1%} -> {manifest['test_accuracy']:.1%} after the warm start"
+        )
         return 0
     parser.error(f"unknown command {args.command!r}")
     return 2
