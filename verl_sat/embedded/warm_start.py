@@ -70,8 +70,7 @@ def warm_start(model: PreTrainedModel, tokenizer, problems: list[Problem], steps
 def greedy_accuracy(model: PreTrainedModel, tokenizer, problems: list[Problem], max_new_tokens: int = 10) -> float:
     """Fraction of problems whose greedy response verl's GSM8K scorer marks correct."""
     prompts = [chat_prompt(tokenizer, p) for p in problems]
-    tokenizer.padding_side = "left"
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id)  # fmt: skip
     texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
