@@ -55,6 +55,20 @@ def test_import_verl_stays_lazy_and_the_engine_is_registered_when_verl_imports_i
     ]
 
 
+def test_importing_the_engine_module_first_also_registers():
+    """``import verl_sat.fsdp_engine`` pulls verl's FSDP engine in, whose import hook must not trip over it."""
+    code = (
+        "import warnings; warnings.simplefilter('ignore')\n"
+        "import verl_sat.fsdp_engine\n"
+        "from verl.workers.engine import EngineRegistry\n"
+        "print(EngineRegistry.get_engine_cls('language_model', 'fsdp2').__qualname__)\n"
+    )
+    env = {**os.environ, "VERL_ENGINE_DEVICE": "cuda"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "RoutingReplayFSDPEngine"
+
+
 def test_pinned_verl_fsdp_engine_code():
     """The integration relies on these facts of verl 0.9.1's FSDP engine; a change in verl must fail here first."""
     assert issubclass(RoutingReplayFSDPEngine, FSDPEngineWithLMHead)

@@ -18,8 +18,8 @@ actor replay the ``routed_experts`` the rollout engine returned, in both ``compu
 reference model has its own engine config and keeps native routing.
 
 verl 0.9.1's FSDP engine ignores ``routed_experts``. ``RoutingReplayFSDPEngine`` subclasses its
-``FSDPEngineWithLMHead`` and behaves exactly like it unless R3 is on; ``register_engine`` puts it in verl's
-``EngineRegistry``. The plugin calls it when verl imports its FSDP engine, so ``import verl`` does not import it.
+``FSDPEngineWithLMHead`` and behaves exactly like it unless R3 is on; importing this module puts it in verl's
+``EngineRegistry``. The plugin imports it when verl imports its FSDP engine, so ``import verl`` does not.
 """
 
 import logging
@@ -119,3 +119,6 @@ def register_engine(*_) -> None:
                     "routing replay under FSDP is not added to it",
                     backend, key, registered.__name__,
                 )  # fmt: skip
+
+
+register_engine()  # importing this module registers the engine, as verl's own @EngineRegistry.register does

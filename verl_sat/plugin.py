@@ -18,6 +18,7 @@ them at WARNING so a broken install is visible in every driver and Ray worker. `
 It registers the SAT losses, and adds routing replay to verl's FSDP engine when verl imports that engine.
 """
 
+import importlib
 import logging
 
 logger = logging.getLogger(__name__)
@@ -28,9 +29,9 @@ FSDP_ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 def _register_fsdp_routing_replay(_module) -> None:
     """Post-import hook of verl's FSDP engine module: add routing replay (R3) to its language-model engine."""
     try:
-        from verl_sat.fsdp_engine import register_engine
-
-        register_engine()
+        # registers on import; if verl_sat.fsdp_engine is itself being imported (and pulled verl's engine in), this
+        # returns the partly run module, which registers when its own import finishes
+        importlib.import_module("verl_sat.fsdp_engine")
     except Exception:
         logger.warning("verl-sat: routing replay (R3) could NOT be added to verl's FSDP engine", exc_info=True)
         raise
