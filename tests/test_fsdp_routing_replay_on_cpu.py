@@ -34,20 +34,24 @@ from verl_sat.fsdp_engine import RoutingReplayFSDPEngine, micro_batch_routes
 from verl_sat.routing_replay import RoutingReplay
 
 
-def test_import_verl_stays_lazy_and_the_engine_is_registered_when_verl_imports_it():
-    code = (
-        "import sys, warnings; warnings.simplefilter('ignore')\n"
-        "import verl\n"
-        "print('engine imported by import verl:', 'verl.workers.engine.fsdp.transformer_impl' in sys.modules)\n"
-        "from verl.workers.engine import EngineRegistry\n"
-        "for backend in ('fsdp', 'fsdp2'):\n"
-        "    print(backend, EngineRegistry.get_engine_cls('language_model', backend).__qualname__)\n"
-        "print('value', EngineRegistry.get_engine_cls('value_model', 'fsdp').__qualname__)\n"
-    )
+def _stdout_of_fresh_interpreter(*lines: str) -> list[str]:
+    """Run ``lines`` in a fresh interpreter that selects engines as on a CUDA machine; return its stdout lines."""
+    code = "\n".join(["import sys, warnings; warnings.simplefilter('ignore')", *lines])
     env = {**os.environ, "VERL_ENGINE_DEVICE": "cuda"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == [
+    return proc.stdout.splitlines()
+
+
+def test_import_verl_stays_lazy_and_the_engine_is_registered_when_verl_imports_it():
+    assert _stdout_of_fresh_interpreter(
+        "import verl",
+        "print('engine imported by import verl:', 'verl.workers.engine.fsdp.transformer_impl' in sys.modules)",
+        "from verl.workers.engine import EngineRegistry",
+        "for backend in ('fsdp', 'fsdp2'):",
+        "    print(backend, EngineRegistry.get_engine_cls('language_model', backend).__qualname__)",
+        "print('value', EngineRegistry.get_engine_cls('value_model', 'fsdp').__qualname__)",
+    ) == [
         "engine imported by import verl: False",
         "fsdp RoutingReplayFSDPEngine",
         "fsdp2 RoutingReplayFSDPEngine",
@@ -57,16 +61,11 @@ def test_import_verl_stays_lazy_and_the_engine_is_registered_when_verl_imports_i
 
 def test_importing_the_engine_module_first_also_registers():
     """``import verl_sat.fsdp_engine`` pulls verl's FSDP engine in, whose import hook must not trip over it."""
-    code = (
-        "import warnings; warnings.simplefilter('ignore')\n"
-        "import verl_sat.fsdp_engine\n"
-        "from verl.workers.engine import EngineRegistry\n"
-        "print(EngineRegistry.get_engine_cls('language_model', 'fsdp2').__qualname__)\n"
-    )
-    env = {**os.environ, "VERL_ENGINE_DEVICE": "cuda"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "RoutingReplayFSDPEngine"
+    assert _stdout_of_fresh_interpreter(
+        "import verl_sat.fsdp_engine",
+        "from verl.workers.engine import EngineRegistry",
+        "print(EngineRegistry.get_engine_cls('language_model', 'fsdp2').__qualname__)",
+    ) == ["RoutingReplayFSDPEngine"]
 
 
 def test_pinned_verl_fsdp_engine_code():

@@ -101,7 +101,7 @@ class RoutingReplayFSDPEngine(FSDPEngineWithLMHead):
         return loss, output
 
 
-def register_engine(*_) -> None:
+def register_engine() -> None:
     """Replace verl's ``FSDPEngineWithLMHead`` with ``RoutingReplayFSDPEngine`` in ``EngineRegistry`` for language
     models on the fsdp/fsdp2 backends, for every device it was registered for.
 
