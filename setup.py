@@ -23,6 +23,8 @@ install_requires = [
     "hydra-core>=1.3",
     "omegaconf>=2.3",
     "wrapt>=1.14",  # post-import hook: add routing replay to verl's FSDP engine when verl imports it
+    "matplotlib>=3.7",  # curves.png of the embedded engine and the sweep plots
+    "tensorboard>=2.14",  # TensorBoard events of the embedded engine
 ]
 
 extras_require = {
@@ -45,7 +47,7 @@ setup(
     # the top-level recipes/ folder is the Hydra config group, shipped as verl_sat.recipes (pkg://verl_sat.recipes)
     packages=[*find_packages(include=["verl_sat", "verl_sat.*"]), "verl_sat.recipes"],
     package_dir={"verl_sat.recipes": "recipes"},
-    package_data={"verl_sat.recipes": ["recipe/*.yaml", "lag/*.yaml", "r3/*.yaml"]},
+    package_data={"verl_sat.recipes": ["recipe/*.yaml", "lag/*.yaml", "r3/*.yaml", "embedded/*.yaml"]},
     install_requires=install_requires,
     extras_require=extras_require,
     entry_points={

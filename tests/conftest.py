@@ -25,6 +25,12 @@ import torch
 from hydra import compose, initialize_config_module
 from verl.utils.config import omega_conf_to_dataclass
 
+from verl_sat.embedded.prepare import PrepareSpec, prepare
+
+# The embedded engine at test size: a 2-layer, 4-expert policy on one-digit addition.
+TINY_PREPARE = PrepareSpec(max_operand=9, num_test=20, hidden_size=32, num_layers=2, num_experts=4, warm_start_steps=3,
+                           warm_start_batch=8)  # fmt: skip
+
 SAT_TARGET = "actor_rollout_ref.actor.policy_loss._target_=verl_sat.config.SatPolicyLossConfig"
 
 # (registered loss, granularity, verl's nominal counterpart): both losses and both granularities.
@@ -119,3 +125,11 @@ def nominal_gspo_loss(log_prob, old_log_prob, advantages, mask, clip_low, clip_h
 def sat_actor_config():
     """Actor config with the SAT target (defaults of the sat block), loss mode ``sat``."""
     return actor_config()
+
+
+@pytest.fixture(scope="session")
+def tiny_workdir(tmp_path_factory):
+    """A workdir prepared at test size (shared: tests write their runs under their own experiment names)."""
+    path = tmp_path_factory.mktemp("prepared")
+    prepare(path, seed=0, spec=TINY_PREPARE)
+    return path

@@ -18,6 +18,7 @@ import json
 import pandas as pd
 import pytest
 import torch
+from conftest import TINY_PREPARE
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from verl.utils.dataset.rl_dataset import RLHFDataset
@@ -26,15 +27,10 @@ from verl.utils.reward_score import default_compute_score
 from verl_sat.embedded.prepare import MANIFEST, PrepareSpec, prepare
 from verl_sat.routing_replay import RoutingReplay
 
-TINY = PrepareSpec(max_operand=9, num_test=20, hidden_size=32, num_layers=2, num_experts=4, warm_start_steps=3,
-                   warm_start_batch=8)  # fmt: skip
-
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prepared")
-    prepare(path, seed=0, spec=TINY)
-    return path
+def workdir(tiny_workdir):
+    return tiny_workdir
 
 
 def test_writes_a_loadable_model_and_tokenizer(workdir):
@@ -79,8 +75,8 @@ def test_manifest_and_determinism(workdir, tmp_path):
     manifest = json.loads((workdir / MANIFEST).read_text())
     assert manifest["seed"] == 0 and manifest["spec"]["max_operand"] == 9
     assert 0.0 <= manifest["test_accuracy"] <= 1.0 and len(manifest["warm_start_loss_first_last"]) == 2
-    prepare(tmp_path / "again", seed=0, spec=TINY)
-    prepare(tmp_path / "other", seed=1, spec=TINY)
+    prepare(tmp_path / "again", seed=0, spec=TINY_PREPARE)
+    prepare(tmp_path / "other", seed=1, spec=TINY_PREPARE)
     same = pd.read_parquet(tmp_path / "again" / "data" / "test.parquet")
     assert same.equals(pd.read_parquet(workdir / "data" / "test.parquet"))
     first = AutoModelForCausalLM.from_pretrained(workdir / "model").state_dict()

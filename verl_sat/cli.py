@@ -29,6 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     prep = commands.add_parser("prepare", help="build the embedded engine's tokenizer, MoE policy and task offline")
     prep.add_argument("--workdir", default="verl_sat_work", help="output folder (default: verl_sat_work)")
     prep.add_argument("--seed", type=int, default=0, help="seed: the same seed gives the same files")
+    run = commands.add_parser(
+        "train", help="asynchronous RL on this machine: verl-sat train +recipe=NAME [+lag=lagL] [key=value ...]"
+    )
+    run.add_argument("--workdir", default="verl_sat_work", help="prepared folder (default: verl_sat_work)")
+    run.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m verl_sat.main")
     args = parser.parse_args(argv)
     if args.command == "doctor":
         return run_doctor()
@@ -45,9 +50,52 @@ def main(argv: list[str] | None = None) -> int:
             f"{manifest['test_accuracy_before_warm_start']:.1%} -> {manifest['test_accuracy']:.1%} after the warm start"
         )
         return 0
+    if args.command == "train":
+        return _train(args.workdir, args.overrides)
     parser.error(f"unknown command {args.command!r}")
     return 2
 
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _train(workdir: str, overrides: list[str]) -> int:
+    from hydra.errors import HydraException
+
+    from verl_sat.embedded.prepare import WorkdirError
+    from verl_sat.embedded.run_config import EmbeddedConfigError, compose_train_config
+    from verl_sat.embedded.train import train
+
+    try:
+        config, settings = compose_train_config(workdir, overrides)
+        summary = train(config, settings)
+    except (EmbeddedConfigError, WorkdirError, HydraException) as err:  # Hydra's message lists the valid recipes
+        print(f"verl-sat train: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            "verl-sat train: interrupted; re-run the same command to resume from the last checkpoint", file=sys.stderr
+        )
+        return 130
+    print(format_summary(settings.run_dir, summary))
+    return 0
+
+
+def format_summary(run_dir, summary: dict) -> str:
+    """The few lines ``verl-sat train`` and ``make demo`` print at the end of a run."""
+
+    def pct(value):
+        return "n/a" if value is None else f"{value:.1%}"
+
+    mismatch = summary["last_epoch_mismatch"]
+    return "\n".join(
+        [
+            f"run {run_dir}: {summary['steps_done']}/{summary['total_steps']} steps",
+            f"  test accuracy (avg@k): start {pct(summary['initial_accuracy'])}, best {pct(summary['best_accuracy'])} "
+            f"at step {summary['best_step']}, last {pct(summary['last_accuracy'])} at step {summary['last_step']}",
+            f"  collapsed: {summary['collapsed']} ({summary['collapse_rule']}); last-epoch mismatch "
+            f"{'n/a' if mismatch is None else f'{mismatch:.4f}'}",
+            f"  curves: {run_dir / 'curves.png'}   metrics: {run_dir / 'metrics.jsonl'}",
+        ]
+    )

@@ -35,6 +35,31 @@ from verl_sat.embedded.tokenizer import build_char_tokenizer
 from verl_sat.embedded.warm_start import greedy_accuracy, warm_start
 
 MANIFEST = "prepare.json"
+FORMAT = 1  # bump when the files change meaning; `verl-sat train` refuses a workdir of another format
+
+
+class WorkdirError(RuntimeError):
+    """A workdir that `verl-sat train` cannot use; the message says which `verl-sat prepare` command to run."""
+
+
+def check_prepared(workdir: str | Path) -> dict:
+    """The manifest of a prepared, current workdir, or ``WorkdirError`` naming the command that fixes it."""
+    workdir = Path(workdir)
+    command = f"verl-sat prepare --workdir {workdir}"
+    manifest_path = workdir / MANIFEST
+    if not manifest_path.is_file():
+        raise WorkdirError(f"{workdir} is not prepared (no {MANIFEST}): run `{command}`")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise WorkdirError(
+            f"{workdir} was prepared by another verl-sat version (format {manifest.get('format')}, this one reads "
+            f"{FORMAT}): run `{command}` again"
+        )
+    missing = [name for name in ("model/config.json", "data/train.parquet", "data/test.parquet")
+               if not (workdir / name).is_file()]  # fmt: skip
+    if missing:
+        raise WorkdirError(f"{workdir} is incomplete (missing {', '.join(missing)}): run `{command}` again")
+    return manifest
 
 
 @dataclass(frozen=True)
@@ -85,6 +110,7 @@ def prepare(workdir: str | Path, seed: int = 0, spec: PrepareSpec = PrepareSpec(
     model.save_pretrained(tmp / "model")
     tokenizer.save_pretrained(tmp / "model")
     manifest = {
+        "format": FORMAT,
         "seed": seed,
         "spec": asdict(spec),
         "num_train": len(train),

@@ -1,0 +1,47 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""avg@k on the test split: k responses per problem (``rollout.val_kwargs``), scored by verl's reward functions;
+the accuracy is the mean score (the paper's AIME24 avg@8 at this scale)."""
+
+import torch
+
+from verl_sat.embedded.rollout import PromptSet, sample, score
+
+
+@torch.no_grad()
+def avg_at_k(
+    model,
+    tokenizer,
+    prompts: PromptSet,
+    k: int,
+    max_new_tokens: int,
+    temperature: float,
+    do_sample: bool,
+    seed: int,
+    chunk: int = 1024,
+) -> float:
+    """Mean verl score over ``k`` responses to each of the split's prompts (``k = 1`` when decoding greedily)."""
+    was_training = model.training
+    model.eval()
+    torch.manual_seed(seed)
+    index = [i for i in range(len(prompts)) for _ in range(k if do_sample else 1)]
+    total = 0.0
+    for start in range(0, len(index), chunk):
+        part = index[start : start + chunk]
+        ids, _, prompt_len = sample(
+            model, tokenizer, [prompts.prompt_ids[i] for i in part], max_new_tokens, temperature, do_sample
+        )
+        total += float(score(tokenizer, ids.cpu(), prompt_len, prompts, part).sum())
+    model.train(was_training)
+    return total / len(index)

@@ -1,0 +1,136 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""The files of one embedded run, ``WORKDIR/runs/<experiment_name>/``::
+
+    config.yaml                   the resolved config (a re-run must compose the same one to resume)
+    metrics.jsonl                 one JSON line per step (step 0: evaluation before training)
+    tensorboard/                  the same metrics as TensorBoard events
+    checkpoints/global_step_N.pt  model, optimizer and the rollout's pending bf16 weight versions
+    summary.json                  best / last accuracy, collapse flag, last-epoch mismatch
+    curves.png                    accuracy, reward and mismatch against step
+
+Every file is written to a temporary name and renamed, so an interruption never leaves a corrupted checkpoint or
+a truncated metrics line; resuming from step N drops metric lines after N.
+"""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+ACCURACY = "val/accuracy"  # avg@k on the test split
+REWARD = "reward/mean"
+MISMATCH = "actor/mismatch_abs_log_ratio"  # mean |log_prob - old_log_prob| of the step's last epoch
+COLLAPSE_RATIO = 0.5  # collapsed: last accuracy < COLLAPSE_RATIO x best accuracy
+MISMATCH_TAIL = 0.1  # last-epoch mismatch of a run: mean over its last 10% of steps
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    os.replace(tmp, path)
+
+
+class MetricsLog:
+    """``metrics.jsonl``, kept consistent with the checkpoint the run resumes from."""
+
+    def __init__(self, path: Path, resume_step: int):
+        self.path = path
+        self.records = [r for r in read_metrics(path) if r["step"] <= resume_step]
+        write_atomic(path, "".join(json.dumps(r) + "\n" for r in self.records))
+
+    def append(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.records.append(record)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The complete JSON lines of ``path`` (a line cut by a crash is skipped)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def save_checkpoint(folder: Path, step: int, state: dict, keep: int) -> Path:
+    """``folder/global_step_{step}.pt`` written then renamed; keeps the newest ``keep`` checkpoints."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"global_step_{step}.pt"
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"step": step, **state}, tmp)
+    os.replace(tmp, path)
+    for old in checkpoints(folder)[:-keep]:
+        old.unlink()
+    return path
+
+
+def checkpoints(folder: Path) -> list[Path]:
+    """Finished checkpoints, oldest first."""
+    return sorted(folder.glob("global_step_*.pt"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
+
+
+def summarize(records: list[dict], total_steps: int) -> dict:
+    """Best and last accuracy with their steps, the collapse flag (``last < COLLAPSE_RATIO * best``) and the
+    last-epoch mismatch (mean of ``MISMATCH`` over the last ``MISMATCH_TAIL`` of the steps)."""
+    evals = [(r["step"], r[ACCURACY]) for r in records if ACCURACY in r]
+    steps = [r for r in records if MISMATCH in r]
+    tail = steps[-max(1, math.ceil(MISMATCH_TAIL * len(steps))) :] if steps else []
+    best_step, best = max(evals, key=lambda e: (e[1], -e[0])) if evals else (None, None)
+    last_step, last = evals[-1] if evals else (None, None)
+    return {
+        "steps_done": max((r["step"] for r in records), default=0),
+        "total_steps": total_steps,
+        "best_accuracy": best,
+        "best_step": best_step,
+        "last_accuracy": last,
+        "last_step": last_step,
+        "initial_accuracy": evals[0][1] if evals and evals[0][0] == 0 else None,
+        "collapsed": bool(evals) and last < COLLAPSE_RATIO * best,
+        "collapse_rule": f"last accuracy < {COLLAPSE_RATIO} x best accuracy",
+        "last_epoch_mismatch": sum(r[MISMATCH] for r in tail) / len(tail) if tail else None,
+    }
+
+
+def plot_curves(records: list[dict], path: Path, title: str) -> None:
+    """``curves.png``: accuracy, reward and mismatch against step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = ((ACCURACY, "test avg@k accuracy"), (REWARD, "train reward (mean)"), (MISMATCH, "mismatch |log ratio|"))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o" if key == ACCURACY else None, markersize=3)
+        ax.set_xlabel("trainer step")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
