@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.verl-sat-installed
+WORKDIR ?= verl_sat_work
 
-.PHONY: install doctor test bench lint clean
+.PHONY: install doctor demo test bench lint clean
 
 install: $(STAMP)
 
@@ -19,12 +20,18 @@ $(STAMP): setup.py
 doctor: install
 	$(VENV)/bin/verl-sat doctor
 
+# the main job: prepare the embedded engine's model and task (once), then SAT-GSPO with routing replay at lag 8
+demo: install
+	$(VENV)/bin/verl-sat prepare --workdir $(WORKDIR) --if-needed
+	$(VENV)/bin/verl-sat train --workdir $(WORKDIR) +recipe=sat_gspo_r3 +lag=lag8
+
 test: install
 	$(PY) -m pytest tests -q
 
 bench: install
 	$(PY) benchmarks/bench_losses.py
 	$(PY) benchmarks/bench_routing_replay.py
+	$(PY) benchmarks/bench_embedded.py --workdir $(WORKDIR)
 
 lint: install
 	$(VENV)/bin/ruff check verl_sat tests benchmarks recipes setup.py

@@ -16,6 +16,8 @@
 import argparse
 import sys
 
+from hydra.errors import HydraException
+
 from verl_sat.doctor import run_doctor
 from verl_sat.recipe_catalog import format_catalog
 
@@ -29,11 +31,21 @@ def main(argv: list[str] | None = None) -> int:
     prep = commands.add_parser("prepare", help="build the embedded engine's tokenizer, MoE policy and task offline")
     prep.add_argument("--workdir", default="verl_sat_work", help="output folder (default: verl_sat_work)")
     prep.add_argument("--seed", type=int, default=0, help="seed: the same seed gives the same files")
+    prep.add_argument("--if-needed", action="store_true", help="do nothing if the workdir is prepared and current")
     run = commands.add_parser(
         "train", help="asynchronous RL on this machine: verl-sat train +recipe=NAME [+lag=lagL] [key=value ...]"
     )
     run.add_argument("--workdir", default="verl_sat_work", help="prepared folder (default: verl_sat_work)")
     run.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m verl_sat.main")
+    grid = commands.add_parser("sweep", help="recipes x lags x seeds with the embedded engine, as the paper's Table 1")
+    grid.add_argument("--workdir", default="verl_sat_work", help="prepared folder (default: verl_sat_work)")
+    grid.add_argument("--name", default="default", help="sweep name: WORKDIR/sweeps/NAME, runs in WORKDIR/runs/NAME")
+    grid.add_argument("--recipes", default="grpo,gspo,dppo,sat_gspo,gspo_r3,sat_grpo_r3,sat_gspo_r3",
+                      help="comma-separated recipe names (default: the paper's seven)")  # fmt: skip
+    grid.add_argument("--lags", default="1,8", help="comma-separated policy lags L (0 = synchronous; default 1,8)")
+    grid.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
+    grid.add_argument("--jobs", type=int, default=1, help="cells run in parallel processes (default 1)")
+    grid.add_argument("overrides", nargs="*", help="Hydra overrides applied to every run")
     args = parser.parse_args(argv)
     if args.command == "doctor":
         return run_doctor()
@@ -41,8 +53,15 @@ def main(argv: list[str] | None = None) -> int:
         print(format_catalog())
         return 0
     if args.command == "prepare":
-        from verl_sat.embedded.prepare import prepare
+        from verl_sat.embedded.prepare import WorkdirError, check_prepared, prepare
 
+        if args.if_needed:
+            try:
+                check_prepared(args.workdir)
+                print(f"{args.workdir} is prepared")
+                return 0
+            except WorkdirError as err:
+                print(f"{err}; preparing")
         manifest = prepare(args.workdir, args.seed)
         print(
             f"prepared {args.workdir}: {manifest['num_parameters']:,}-parameter MoE policy, "
@@ -52,17 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "train":
         return _train(args.workdir, args.overrides)
+    if args.command == "sweep":
+        return _sweep(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _train(workdir: str, overrides: list[str]) -> int:
-    from hydra.errors import HydraException
-
     from verl_sat.embedded.prepare import WorkdirError
     from verl_sat.embedded.run_config import EmbeddedConfigError, compose_train_config
     from verl_sat.embedded.train import train
@@ -99,3 +114,34 @@ def format_summary(run_dir, summary: dict) -> str:
             f"  curves: {run_dir / 'curves.png'}   metrics: {run_dir / 'metrics.jsonl'}",
         ]
     )
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from verl_sat.embedded.prepare import WorkdirError, check_prepared
+    from verl_sat.embedded.run_config import EmbeddedConfigError, compose_train_config
+    from verl_sat.embedded.sweep import Cell, sweep
+
+    try:
+        recipes = [r for r in args.recipes.split(",") if r]
+        lags = [int(v) for v in args.lags.split(",")]
+        seeds = [int(v) for v in args.seeds.split(",")]
+    except ValueError as err:
+        print(f"verl-sat sweep: --lags and --seeds take comma-separated integers ({err})", file=sys.stderr)
+        return 2
+    try:
+        check_prepared(args.workdir)
+        for recipe in recipes:  # fail before the first cell runs: unknown recipe or key, bad value
+            compose_train_config(
+                args.workdir, [*Cell(recipe, max(lags), seeds[0]).overrides(args.name), *args.overrides]
+            )
+    except (EmbeddedConfigError, WorkdirError, HydraException) as err:
+        print(f"verl-sat sweep: {err}", file=sys.stderr)
+        return 2
+    out = sweep(args.workdir, recipes, lags, seeds, args.overrides, name=args.name, jobs=args.jobs)
+    print((out / "results.md").read_text())
+    print(f"plots: {out}/curves_lag*.png, {out}/mismatch.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -73,7 +73,7 @@ class PrepareSpec:
     num_layers: int = 4
     num_experts: int = 8
     top_k: int = 2
-    warm_start_steps: int = 800
+    warm_start_steps: int = 1000
     warm_start_batch: int = 64
     warm_start_lr: float = 1e-3
 
