@@ -261,6 +261,7 @@ def test_wheel_ships_the_recipes(tmp_path):
     for lag in LAGS:
         assert f"verl_sat/recipes/lag/{lag}.yaml" in names
     assert "verl_sat/recipes/r3/megatron.yaml" in names and "verl_sat/recipes/r3/fsdp.yaml" in names
+    assert "verl_sat/recipes/embedded/default.yaml" in names  # the embedded engine's defaults
 
 
 def test_searchpath_goes_before_the_overrides_and_flags_first():

@@ -106,7 +106,7 @@ def sweep(workdir: str | Path, recipes: list[str], lags: list[int], seeds: list[
     workdir = Path(workdir)
     out = workdir / "sweeps" / name
     out.mkdir(parents=True, exist_ok=True)
-    cells = [Cell(r, lag, s) for r in recipes for lag in lags for s in seeds]
+    cells = [Cell(r, lag, s) for s in seeds for r in recipes for lag in lags]  # seed by seed: early seeds finish first
     threads = max(1, (os.cpu_count() or 1) // jobs)
     failed = []
     with ThreadPoolExecutor(max_workers=jobs) as pool, tqdm(total=len(cells), desc=f"sweep {name}", unit="cell",
