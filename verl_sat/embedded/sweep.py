@@ -108,7 +108,7 @@ def sweep(workdir: str | Path, recipes: list[str], lags: list[int], seeds: list[
     out.mkdir(parents=True, exist_ok=True)
     cells = [Cell(r, lag, s) for s in seeds for r in recipes for lag in lags]  # seed by seed: early seeds finish first
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    failed = []
+    failed, summaries = [], {}
     with ThreadPoolExecutor(max_workers=jobs) as pool, tqdm(total=len(cells), desc=f"sweep {name}", unit="cell",
                                                             disable=not progress) as bar:  # fmt: skip
         futures = [pool.submit(run_cell, workdir, name, cell, overrides, threads) for cell in cells]
@@ -119,9 +119,9 @@ def sweep(workdir: str | Path, recipes: list[str], lags: list[int], seeds: list[
                 failed.append(cell)
                 bar.write(f"{cell.name}: FAILED, see {out / 'logs' / (cell.name + '.log')}")
             else:
+                summaries[cell] = summary
                 bar.write(f"{cell.name}: {cell_line(summary)}")
-    runs = {c: run_files.read_metrics(run_dir(workdir, name, c) / "metrics.jsonl") for c in cells if c not in failed}
-    summaries = {c: finished(run_dir(workdir, name, c) / "summary.json") for c in runs}
+    runs = {c: run_files.read_metrics(run_dir(workdir, name, c) / "metrics.jsonl") for c in summaries}
     rows = aggregate(summaries)
     command = ["verl-sat sweep", f"--workdir {workdir}", f"--name {name}", f"--recipes {','.join(recipes)}",
                f"--lags {','.join(map(str, lags))}", f"--seeds {','.join(map(str, seeds))}", *overrides]  # fmt: skip
