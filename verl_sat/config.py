@@ -25,32 +25,43 @@ from typing import Any
 from verl.base_config import BaseConfig
 from verl.workers.config import PolicyLossConfig
 
-from verl_sat.sat_math import GRANULARITIES, KERNELS
+from verl_sat.sat_math import GRANULARITIES, KERNELS, QUANTILE_METHODS
+
+DEFAULT_GRANULARITY = "sequence"
+TOKEN_LEVEL_LOSSES = ("sat",)  # losses whose proxy is always per token (no `granularity` key)
 
 
 @dataclass
 class SatConfig(BaseConfig):
-    """Hyperparameters of the Staleness-Adaptive Trust Region (SAT_SPEC.md sections 3-5).
+    """Hyperparameters of the Staleness-Adaptive Trust Region (arXiv 2607.18722, Eqs. 14-20).
 
     Args:
-        quantile (float): Tail quantile alpha in (0, 1); tokens with |d| above Quantile_alpha(|d|) are gated.
-        kernel (str): Contraction kernel, "hill" (kappa = q^n / (q^n + a^n)) or "hill_shifted"
+        quantile (float): Tail quantile alpha in (0, 1); units with |d| above the alpha-quantile q of the
+            micro-batch are gated (Eq. 14).
+        quantile_method (str): "inverted_cdf" (the paper's lower empirical quantile: the ceil(alpha * n)-th smallest,
+            no interpolation) or "linear" (torch.quantile's interpolation, the earlier behaviour).
+        kernel (str): Contraction kernel (Eq. 16), "hill" (kappa = q^n / (q^n + a^n)) or "hill_shifted"
             (kappa = 1 / (1 + ((a - q) / q)^n), continuous at q).
         kernel_exponent (float): Hill exponent n > 0.
         min_scale (float): Lower bound on the contraction factor kappa, in [0, 1].
         floor (float): Gate only when the quantile q exceeds this value (>= 0); avoids gating pure noise.
-        granularity (str): "sequence" (proxy is the sequence log-ratio) or "token"; used by ``sat_gspo`` only.
+        granularity (str): SAT score unit of ``sat_gspo``: "sequence" (s_i broadcast to the sequence's active tokens,
+            quantile over tokens: length-weighted, Eq. 20), "sequence_uniform" (quantile over sequences, each once)
+            or "token". ``sat`` is always per token and refuses any other value than the default.
     """
 
     quantile: float = 0.9
+    quantile_method: str = "inverted_cdf"
     kernel: str = "hill"
     kernel_exponent: float = 2.0
     min_scale: float = 0.0
     floor: float = 0.0
-    granularity: str = "sequence"
+    granularity: str = DEFAULT_GRANULARITY
 
     def __post_init__(self):
         _check(0.0 < self.quantile < 1.0, "quantile", self.quantile, "a float in the open interval (0, 1)")
+        _check(self.quantile_method in QUANTILE_METHODS, "quantile_method", self.quantile_method,
+               f"one of {list(QUANTILE_METHODS)}")  # fmt: skip
         _check(self.kernel in KERNELS, "kernel", self.kernel, f"one of {list(KERNELS)}")
         _check(self.kernel_exponent > 0.0, "kernel_exponent", self.kernel_exponent, "a float > 0")
         _check(0.0 <= self.min_scale <= 1.0, "min_scale", self.min_scale, "a float in [0, 1]")
@@ -71,6 +82,17 @@ class SatPolicyLossConfig(PolicyLossConfig):
     def __post_init__(self):
         # BaseConfig fields are frozen after __init__; the conversion happens once, here.
         object.__setattr__(self, "sat", as_sat_config(self.sat))
+        check_granularity(self.loss_mode, self.sat)
+
+
+def check_granularity(loss_mode: str, sat: SatConfig) -> None:
+    """``granularity`` is a ``sat_gspo`` key: the token-level ``sat`` loss refuses a non-default value."""
+    if loss_mode in TOKEN_LEVEL_LOSSES and sat.granularity != DEFAULT_GRANULARITY:
+        raise ValueError(
+            f"actor_rollout_ref.actor.policy_loss.sat.granularity={sat.granularity!r} has no effect with "
+            f"loss_mode={loss_mode!r} (the token-level rule scores every token): remove the key, or use "
+            "loss_mode=sat_gspo"
+        )
 
 
 def resolve_sat_config(policy_loss: Any) -> SatConfig:

@@ -14,7 +14,8 @@
 """verl policy losses ``sat`` (SAT-PPO/SAT-GRPO) and ``sat_gspo`` (SAT-GSPO), registered with verl's registry.
 
 Thin adapters: the rule lives in ``verl_sat.sat_math``; aggregation and masked means are verl's own.
-Signature and return value follow ``verl.trainer.ppo.core_algos.PolicyLossFn``.
+Signature and return value follow ``verl.trainer.ppo.core_algos.PolicyLossFn``. Each call reads the device once
+(all metrics in one transfer), where verl's ``vanilla`` and ``gspo`` read it three times.
 """
 
 from typing import Any
@@ -22,11 +23,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
-from verl.utils.torch_functional import masked_mean
 from verl.workers.config import ActorConfig
 
-from verl_sat.config import resolve_sat_config
-from verl_sat.sat_math import SatSurrogate, TrustRegion, sat_gspo_surrogate, sat_token_surrogate
+from verl_sat.config import check_granularity, resolve_sat_config
+from verl_sat.sat_math import SatSurrogate, sat_gspo_surrogate, sat_token_surrogate
 
 
 @register_policy_loss("sat")  # type: ignore[arg-type]
@@ -39,7 +39,7 @@ def compute_policy_loss_sat(
     config: DictConfig | ActorConfig | None = None,
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Token-level SAT: verl's ``vanilla`` dual-clip PPO with staleness-adaptive endpoints.
+    """Token-level SAT: verl's ``vanilla`` dual-clip PPO with staleness-adaptive endpoints (Eq. 18).
 
     Args:
         old_log_prob, log_prob, advantages: ``[B, T]``; response_mask: ``[B, T]``.
@@ -47,16 +47,11 @@ def compute_policy_loss_sat(
         rollout_is_weights: optional ``[B, T]`` rollout-correction weights multiplied into the loss.
     """
     clip_low, clip_high = _clip_radii(config)
-    out = sat_token_surrogate(
-        log_prob,
-        old_log_prob,
-        advantages,
-        response_mask,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        clip_ratio_c=config.get("clip_ratio_c", 3.0),
-        gate=resolve_sat_config(config.policy_loss),
-    )
+    sat = resolve_sat_config(config.policy_loss)
+    check_granularity("sat", sat)
+    clip_ratio_c = config.get("clip_ratio_c", 3.0)
+
+    out = sat_token_surrogate(log_prob, old_log_prob, advantages, response_mask, clip_low, clip_high, clip_ratio_c, sat)
     return _aggregate(out, loss_agg_mode, config, rollout_is_weights, clip_low, clip_high)
 
 
@@ -70,21 +65,15 @@ def compute_policy_loss_sat_gspo(
     config: DictConfig | ActorConfig | None = None,
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """SAT-GSPO: verl's ``gspo`` (GSPO-token ratio) with staleness-adaptive endpoints, per sequence or per token.
+    """SAT-GSPO: verl's ``gspo`` (GSPO-token ratio) with staleness-adaptive endpoints (Eqs. 19-20).
 
-    Args: as ``compute_policy_loss_sat``; ``policy_loss.sat.granularity`` selects the proxy.
+    Args: as ``compute_policy_loss_sat``; ``policy_loss.sat.granularity`` selects the score unit.
     """
     clip_low, clip_high = _clip_radii(config)
     sat = resolve_sat_config(config.policy_loss)
+
     out = sat_gspo_surrogate(
-        log_prob,
-        old_log_prob,
-        advantages,
-        response_mask,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        gate=sat,
-        granularity=sat.granularity,
+        log_prob, old_log_prob, advantages, response_mask, clip_low, clip_high, sat, sat.granularity
     )
     return _aggregate(out, loss_agg_mode, config, rollout_is_weights, clip_low, clip_high)
 
@@ -97,6 +86,28 @@ def _clip_radii(config: DictConfig | ActorConfig | None) -> tuple[float, float]:
     return clip_low, clip_high
 
 
+def _ppo_kl(log_ratio: torch.Tensor, mask: torch.Tensor, num_active: torch.Tensor) -> torch.Tensor:
+    """verl's ``ppo_kl``, ``masked_mean(-log_ratio, mask)``, bit for bit with fewer temporaries: the same masked
+    values summed in the same order (negation and the multiplication by a 1.0 mask are exact)."""
+    return -torch.where(mask, log_ratio, 0.0).sum() / (num_active + 1e-8)
+
+
+def _batch_info(global_batch_info: dict, loss_agg_mode: str, out: SatSurrogate) -> dict:
+    """verl's ``global_batch_info``, plus the denominators ``agg_loss`` would count from the mask on one rank when verl
+    passes none: the same counts, clamped at 1, so that an all-inactive micro-batch is a finite zero (connected to the
+    graph) instead of 0 / 0."""
+    info = dict(global_batch_info)
+    if info.get("dp_size", 1) == 1:
+        if loss_agg_mode == "token-mean" and info.get("batch_num_tokens") is None:
+            info["batch_num_tokens"] = out.num_active.clamp(min=1)
+        elif loss_agg_mode.startswith("seq-mean") and info.get("global_batch_size") is None:
+            sequences = out.num_sequences
+            if sequences is None:
+                sequences = torch.count_nonzero(out.mask.any(dim=-1))
+            info["global_batch_size"] = sequences.clamp(min=1)
+    return info
+
+
 def _aggregate(
     out: SatSurrogate,
     loss_agg_mode: str,
@@ -104,47 +115,45 @@ def _aggregate(
     rollout_is_weights: torch.Tensor | None,
     clip_low: float,
     clip_high: float,
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Aggregate with verl's ``agg_loss`` and build the metrics of SAT_SPEC.md section 7."""
-    loss_mat, mask = out.loss_mat, out.mask
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Aggregate with verl's ``agg_loss``; the metrics (Table 10 of the paper, and ours) from one host read."""
+    loss_mat, mask, num_active = out.loss_mat, out.mask, out.num_active
     if rollout_is_weights is not None:
         loss_mat = loss_mat * rollout_is_weights
+    pg_loss = agg_loss(loss_mat=loss_mat, loss_mask=mask, loss_agg_mode=loss_agg_mode,
+                       **_batch_info(config.global_batch_info, loss_agg_mode, out))  # fmt: skip
 
-    num_active = int(torch.count_nonzero(mask))
-    if num_active > 0:
-        pg_loss = agg_loss(loss_mat=loss_mat, loss_mask=mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info)
-    else:  # section 6.6: a finite zero that stays connected to the graph
-        pg_loss = torch.where(mask, loss_mat, 0.0).sum()
-
-    region = out.region
-    num_nan = int(torch.count_nonzero(out.nan_tokens))
-    num_units = max(int(torch.count_nonzero(region.unit_mask)), 1)
-    lower_factor, upper_factor = _mean_endpoint_factors(region, num_units)
-    metrics = {
-        "actor/sat_gate_rate": region.kappa.numel() / num_units,
-        "actor/sat_quantile": region.quantile.item(),
-        "actor/sat_abs_log_ratio_mean": masked_mean(region.abs_proxy, region.unit_mask).item(),
-        "actor/sat_eff_lower_radius": clip_low * lower_factor,
-        "actor/sat_eff_upper_radius": clip_high * upper_factor,
-        "actor/sat_min_scale": region.kappa.min().item() if region.kappa.numel() else 1.0,  # 1: nothing gated
-        "actor/sat_intercepted_frac": _token_frac(out.intercepted, mask, num_active),
-        "actor/sat_nan_frac": num_nan / (num_active + num_nan) if num_nan else 0.0,
-        "actor/pg_clipfrac": _token_frac(out.clipped, mask, num_active),
-        "actor/ppo_kl": masked_mean(-out.log_ratio, mask).item(),
-        "actor/pg_clipfrac_lower": _token_frac(out.dual_clipped, mask, num_active),
+    region, stats = out.region, out.region.stats
+    values = [
+        region.quantile.double(),  # float64 first: the stack promotes every entry, so counts stay exact
+        stats.gated,
+        stats.abs_proxy,
+        stats.lower_shrink,
+        stats.upper_shrink,
+        stats.max_shrink,
+        _ppo_kl(out.log_ratio, mask, num_active),
+        region.num_units,
+        num_active,
+        out.num_nan,
+        torch.count_nonzero(out.intercepted),
+        torch.count_nonzero(out.clipped),
+        torch.zeros_like(num_active) if out.dual_clipped is None else torch.count_nonzero(out.dual_clipped),
+    ]
+    read = torch.stack(values).tolist()  # the one host read
+    q, gate_sum, abs_sum, lower_shrink, upper_shrink, max_shrink, ppo_kl, units, active, nan, *clip_counts = read
+    per_unit, per_token = 1.0 / max(units, 1.0), 1.0 / max(active, 1.0)
+    intercepted, clipped, dual_clipped = (count * per_token for count in clip_counts)
+    return pg_loss, {
+        "actor/sat_gate_rate": gate_sum * per_unit,
+        "actor/sat_q": q,
+        "actor/sat_units": units,
+        "actor/sat_abs_log_ratio_mean": abs_sum * per_unit,
+        "actor/sat_eff_lower_radius": clip_low * (1.0 - lower_shrink * per_unit),
+        "actor/sat_eff_upper_radius": clip_high * (1.0 - upper_shrink * per_unit),
+        "actor/sat_min_factor": 1.0 - max_shrink,
+        "actor/sat_intercepted_frac": intercepted,
+        "actor/sat_nan_frac": nan / max(active + nan, 1.0),
+        "actor/pg_clipfrac": clipped,
+        "actor/ppo_kl": ppo_kl,
+        "actor/pg_clipfrac_lower": dual_clipped,
     }
-    return pg_loss, metrics
-
-
-def _token_frac(flags: torch.Tensor, mask: torch.Tensor, num_active: int) -> float:
-    """Fraction of active tokens where the bool ``[B, T]`` ``flags`` hold."""
-    return int(torch.count_nonzero(flags & mask)) / max(num_active, 1)
-
-
-def _mean_endpoint_factors(region: TrustRegion, num_units: int) -> tuple[float, float]:
-    """Mean ``c_minus`` and ``c_plus`` over active gate units: 1 minus each endpoint's summed deficit ``1 - kappa``
-    over the gated units that contract it."""
-    deficit = 1.0 - region.kappa
-    up = float(deficit[region.contract_up].sum())
-    down = float(deficit[~region.contract_up].sum())
-    return 1.0 - down / num_units, 1.0 - up / num_units

@@ -11,29 +11,36 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""The Staleness-Adaptive Trust Region (SAT) in pure torch: SAT_SPEC.md sections 2-5, no verl import.
+"""The Staleness-Adaptive Trust Region (SAT, arXiv 2607.18722, Eqs. 13-20) in pure torch, no verl import.
 
 Shapes: ``B`` sequences, ``T`` response tokens. Inputs are ``[B, T]`` tensors of any float dtype; the gate's
 statistics (``|d|``, the quantile, the contraction factors) are computed in float32, or float64 for float64 inputs.
 The surrogates return per-token loss matrices; aggregation (verl's ``agg_loss``) is left to the caller.
+
+Nothing here reads a tensor back to the host: the tail quantile is an exact radix select over the float bits with
+static sizes (``bincount`` passes), so on CUDA the loss is queued without a stream stall.
 """
 
+import functools
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Protocol
 
 import torch
 
-LOG_RATIO_CLAMP = 20.0  # |lp - lp_old| clamp, as verl's `vanilla`
+LOG_RATIO_CLAMP = 20.0  # |lp - lp_old| clamp of the token rule and the proxy (Eq. 13), as verl's `vanilla`
 GSPO_LOG_RATIO_MAX = 10.0  # upper clamp of the GSPO-token log-ratio, as verl's `gspo`
 KERNELS = ("hill", "hill_shifted")
-GRANULARITIES = ("sequence", "token")
+GRANULARITIES = ("sequence", "sequence_uniform", "token")
+QUANTILE_METHODS = ("inverted_cdf", "linear")
 
 
 class GateParams(Protocol):
-    """What the gate reads (section 3); ``verl_sat.config.SatConfig`` satisfies it."""
+    """What the gate reads (Eqs. 14-16); ``verl_sat.config.SatConfig`` satisfies it."""
 
     quantile: float
+    quantile_method: str
     kernel: str
     kernel_exponent: float
     min_scale: float
@@ -41,30 +48,56 @@ class GateParams(Protocol):
 
 
 @dataclass(frozen=True)
+class RegionStats:
+    """Sums over the quantile's units (weighted by ``TrustRegion.weight``), 0-dim tensors: the diagnostics of the
+    paper's Table 10 before division, so that the caller reads them all in one transfer."""
+
+    gated: torch.Tensor  # gated units
+    abs_proxy: torch.Tensor  # sum of |d|
+    lower_shrink: torch.Tensor  # sum of 1 - c_minus
+    upper_shrink: torch.Tensor  # sum of 1 - c_plus
+    max_shrink: torch.Tensor  # max of 1 - kappa (0 when nothing is gated)
+
+
+@dataclass(frozen=True)
 class TrustRegion:
     """Per-unit SAT interval. A unit is a token (shape ``[B, T]``) or a sequence (shape ``[B, 1]``).
 
     Attributes:
-        lower, upper: interval endpoints ``lo = 1 - eps_lo * c_minus``, ``hi = 1 + eps_hi * c_plus`` (loss dtype).
-        gated: bool, units in the tail (``a > q``, ``q > floor``, active).
-        gated_index: ``gated.nonzero(as_tuple=True)``, the ``G`` gated units in row-major order.
-        kappa: ``[G]`` contraction factor of each gated unit (stat dtype); every other factor is 1.
-        contract_up: ``[G]`` bool, the gated unit drifted up (``d > 0``, ``c_plus = kappa``), else down
-            (``d < 0``, ``c_minus = kappa``).
-        abs_proxy: ``a = |d|`` (stat dtype).
-        unit_mask: bool, active units.
-        quantile: 0-dim, ``q``.
+        lower, upper: endpoints ``lo = 1 - eps_lo * c_minus``, ``hi = 1 + eps_hi * c_plus`` per unit (loss dtype);
+            verl's scalars ``1 -+ eps`` bit for bit where nothing is contracted.
+        gate: 1.0 on gated units (active, ``q > floor`` and ``a > q``), else 0.0 (stat dtype).
+        shrink: signed contraction per unit (stat dtype): ``1 - kappa`` with the sign of ``d`` on gated units (> 0
+            contracts the upper endpoint, ``c_plus = 1 - shrink``; < 0 the lower, ``c_minus = 1 + shrink``), else 0.
+        abs_proxy: ``a = |d|`` per unit (stat dtype), 0 at inactive units.
+        unit_mask: bool per unit, active.
+        weight: int64 tokens each unit stands for in the quantile (``sequence``: a sequence's length, 0 when
+            inactive), or ``None``: 1 per active unit.
+        num_units: 0-dim int64, the units the quantile saw (tokens; sequences for ``sequence_uniform``).
+        quantile: 0-dim ``q`` (stat dtype); 0 when there is no active unit.
+        stats: the sums behind the diagnostics.
     """
 
     lower: torch.Tensor
     upper: torch.Tensor
-    gated: torch.Tensor
-    gated_index: tuple[torch.Tensor, ...]
-    kappa: torch.Tensor
-    contract_up: torch.Tensor
+    gate: torch.Tensor
+    shrink: torch.Tensor
     abs_proxy: torch.Tensor
     unit_mask: torch.Tensor
+    weight: torch.Tensor | None
+    num_units: torch.Tensor
     quantile: torch.Tensor
+    stats: RegionStats
+
+    @property
+    def gated(self) -> torch.Tensor:
+        """bool per unit, the gated units."""
+        return self.gate > 0
+
+    @property
+    def kappa(self) -> torch.Tensor:
+        """The contraction factor per unit (Eq. 16) where gated, 1 elsewhere."""
+        return 1.0 - self.shrink.abs()
 
 
 @dataclass(frozen=True)
@@ -72,24 +105,30 @@ class SatSurrogate:
     """Output of a SAT surrogate.
 
     Attributes:
-        loss_mat: ``[B, T]`` per-token loss (finite at every position).
+        loss_mat: ``[B, T]`` per-token loss (0 at NaN tokens).
         mask: ``[B, T]`` bool, active tokens after dropping NaN tokens; aggregate with this mask.
-        nan_tokens: ``[B, T]`` bool, originally active tokens dropped for NaN inputs.
-        log_ratio: ``[B, T]`` detached clamped ``lp - lp_old``.
-        clipped: ``[B, T]`` bool, the clip term is active (``L2 > L1``), verl's ``pg_clipfrac`` numerator.
-        intercepted: ``[B, T]`` bool, clipped by SAT but not by the nominal interval.
-        dual_clipped: ``[B, T]`` bool, the dual clip is active (token rule only; all False for GSPO).
+        num_active: 0-dim int64, active tokens (``mask`` count).
+        num_sequences: 0-dim int64, sequences with an active token, when the surrogate counted them (GSPO), else
+            ``None``.
+        num_nan: 0-dim int64, originally active tokens dropped for NaN inputs.
+        log_ratio: ``[B, T]`` detached ``lp - lp_old`` from which verl's counterpart computes ``ppo_kl`` (clamped at
+            +-20 for the token rule, raw for GSPO; 0 at NaN tokens).
+        clipped: ``[B, T]`` bool, active tokens whose clip term is active (``L2 > L1``), verl's ``pg_clipfrac``.
+        intercepted: ``[B, T]`` bool, active tokens clipped by SAT but not by the nominal interval.
+        dual_clipped: ``[B, T]`` bool, active tokens whose dual clip is active (token rule), ``None`` for GSPO.
         region: the trust region, per token or per sequence.
     """
 
     loss_mat: torch.Tensor
     mask: torch.Tensor
-    nan_tokens: torch.Tensor
+    num_active: torch.Tensor
+    num_nan: torch.Tensor
     log_ratio: torch.Tensor
     clipped: torch.Tensor
     intercepted: torch.Tensor
-    dual_clipped: torch.Tensor
+    dual_clipped: torch.Tensor | None
     region: TrustRegion
+    num_sequences: torch.Tensor | None = None
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -97,74 +136,169 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def masked_quantile(values: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Exact linear-interpolation quantile of ``values[mask]`` (``torch.quantile`` semantics), any element count.
+# ---- the tail quantile (Eq. 14) ------------------------------------------------------------------------------------
 
-    ``torch.quantile`` refuses more than 2^24 elements. Inactive entries are moved below every active one (no
-    boolean indexing) and the two order statistics around ``alpha * (n - 1)`` are selected together.
+# Up to this many units the order statistic comes from a sort; above, from a radix select over the float bits.
+_SORT_MAX_NUMEL = 1 << 10
+# Radix digits (bits per bincount pass) over the non-negative float's bit pattern, most significant first; about
+# 2^11 buckets per pass keep bincount and cumsum cheap for micro-batches of 2^15 to 2^20 tokens.
+_RADIX_DIGITS = {torch.float32: (torch.int32, (11, 10, 10)), torch.float64: (torch.int64, (15, 16, 16, 16))}
+_MAX_WEIGHTED_UNITS = 1 << 40  # bound on the tokens of one micro-batch (the int64 range check of the rank)
+
+
+@functools.cache
+def _alpha_fraction(alpha: float) -> Fraction:
+    """``alpha`` as the decimal the user wrote (``0.9`` is 9/10, not the nearest binary float)."""
+    return Fraction(repr(float(alpha)))
+
+
+def quantile_ranks(
+    num: torch.Tensor, alpha: float, method: str, numel: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """1-based ascending ranks of the order statistics that define ``q`` among ``num`` active units.
+
+    ``inverted_cdf`` (the paper's lower empirical quantile, Eq. 14): rank ``k = ceil(alpha * n)``, exact for the
+    decimal written (alpha 0.9 of 70 units is rank 63). ``linear`` (``torch.quantile``): ranks ``floor(p) + 1`` and
+    ``ceil(p) + 1`` with ``p = alpha * (n - 1)``, interpolated with weight ``p - floor(p)``.
 
     Args:
-        values: any shape; mask: bool, same shape; alpha: in [0, 1].
+        num: 0-dim int64 count of active units; numel: a static upper bound on it (for the int64 range check).
 
     Returns:
-        0-dim tensor in ``values.dtype``; 0 when the mask is empty.
+        ``ranks``, int64, at least 1: 0-dim for ``inverted_cdf``, ``[2]`` for ``linear``; and the interpolation weight
+        (0-dim float64; ``None`` for ``inverted_cdf``).
     """
-    num_active = int(torch.count_nonzero(mask))
-    if num_active == 0:
+    if method == "inverted_cdf":
+        frac = _alpha_fraction(alpha)
+        if (frac.numerator + frac.denominator) * max(numel, 1) < 2**62:
+            rank = torch.div(num * frac.numerator + frac.denominator - 1, frac.denominator, rounding_mode="floor")
+        else:  # a decimal too long for exact int64 arithmetic: one host read
+            rank = torch.tensor(math.ceil(frac * int(num)), device=num.device)
+        return rank.clamp_(min=1), None
+    if method == "linear":
+        pos = alpha * (num.to(torch.float64) - 1).clamp(min=0)
+        low = pos.floor()
+        ranks = torch.stack([low, pos.ceil()]).long() + 1
+        return ranks, pos - low
+    raise ValueError(f"unknown SAT quantile method {method!r}; expected one of {list(QUANTILE_METHODS)}")
+
+
+def _sorted_order_statistic(values: torch.Tensor, rank: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """The ``rank``-th smallest (1-based) of the 1-D ``values``, each counted ``weight`` times (default once). With
+    no weight at all the position clamps to the largest value, 0 for masked values."""
+    order = values.sort()
+    if weight is None:
+        position = rank - 1
+    else:
+        position = torch.searchsorted(weight[order.indices].cumsum(0), rank, side="left")
+    # gather, not values[position]: indexing with a 0-dim tensor reads it back to the host
+    return order.values.gather(0, position.clamp(0, values.numel() - 1).reshape(1)).squeeze(0)
+
+
+def _radix_order_statistic(values: torch.Tensor, rank: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """The ``rank``-th smallest (1-based) of the 1-D non-negative float ``values``, each counted ``weight`` times.
+
+    A non-negative float orders as its bit pattern read as an integer, so the order statistic is found one digit of
+    bits at a time, most significant first: a ``bincount`` of the digit over the entries that share the prefix found
+    so far gives the digit whose cumulative count reaches the rank. Exact, static sizes, no host read.
+    """
+    int_dtype, digits = _RADIX_DIGITS[values.dtype]
+    bits = values.view(int_dtype)
+    counts_weight = None if weight is None else weight.to(torch.float64)
+    rank = rank.to(torch.int64 if weight is None else torch.float64)
+    prefix, total, shift = None, None, sum(digits)
+    for width in digits:
+        shift -= width
+        size = 1 << width
+        key = bits >> shift
+        if prefix is None:  # the top digit: every entry, no one below or above
+            offset = 0
+        else:  # entries below the prefix land in bucket 0, above it in bucket size + 1, with it in 1 + their digit
+            prefix = prefix << width
+            key.sub_(prefix).clamp_(-1, size).add_(1)
+            offset = 1
+        cumulative = torch.bincount(key, weights=counts_weight, minlength=size + 2 * offset).cumsum(0)
+        # entries up to digit j, those below the prefix included, are cumulative[offset + j]; the rank never exceeds
+        # the entries up to the last digit, so the digit is in range (with no weight at all, see below)
+        digit = torch.searchsorted(cumulative[offset : offset + size], rank, side="left")
+        if prefix is None:
+            total = cumulative[-1]
+            prefix = digit
+        else:
+            prefix = prefix | digit
+    value = prefix.to(int_dtype).view(values.dtype)
+    return value if weight is None else torch.where(total > 0, value, 0.0)  # no weight at all: nothing active
+
+
+def _order_statistic(values: torch.Tensor, rank: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    if values.numel() <= _SORT_MAX_NUMEL or values.dtype not in _RADIX_DIGITS:
+        return _sorted_order_statistic(values, rank, weight)
+    return _radix_order_statistic(values, rank, weight)
+
+
+def tail_quantile(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    alpha: float,
+    method: str = "inverted_cdf",
+    weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The alpha-quantile ``q`` of the active ``values`` (Eq. 14), exact for any count (also above 2^24).
+
+    Args:
+        values: non-negative and finite at active entries (float32 or float64 for any count), any shape; mask: bool,
+            same shape (active entries).
+        alpha: in [0, 1]; method: ``inverted_cdf`` or ``linear`` (see ``quantile_ranks``).
+        weight: optional int64 multiplicity per entry (``sequence`` granularity: a sequence's length).
+
+    Returns:
+        0-dim ``q`` in ``values.dtype``; 0 when nothing is active.
+    """
+    if weight is not None:
+        weight = torch.where(mask, weight, 0)
+    num = torch.count_nonzero(mask) if weight is None else weight.sum()
+    return _masked_tail_quantile(torch.where(mask, values, 0.0), num, alpha, method, weight)
+
+
+def _masked_tail_quantile(values, num, alpha, method, weight) -> torch.Tensor:
+    """``tail_quantile`` of ``values`` that are 0 at inactive entries, with ``weight`` 0 there too (or ``None``: unit
+    weights); ``num`` counts the active units. Inactive entries rank below, or tie with, every active one, so with
+    unit weights the ranks are shifted by their count."""
+    flat_values = values.reshape(-1)
+    numel = flat_values.numel()
+    if numel == 0:
         return values.new_zeros(())
-    flat = torch.where(mask, values, float("-inf")).reshape(-1)
-    num_inactive = flat.numel() - num_active
-    pos = alpha * (num_active - 1)
-    lo = math.floor(pos)
-    v_lo, v_hi = order_statistic_pair(flat, num_inactive + lo + 1)
-    return v_lo if pos == lo else torch.lerp(v_lo, v_hi, pos - lo)
+    if weight is None:
+        ranks, interpolation = quantile_ranks(num, alpha, method, numel)
+        ranks, flat_weight = (ranks + (numel - num)).clamp_(max=numel), None  # nothing active: the largest, 0
+    else:
+        ranks, interpolation = quantile_ranks(num, alpha, method, _MAX_WEIGHTED_UNITS)
+        flat_weight = weight.reshape(-1)
+    if method == "inverted_cdf":
+        return _order_statistic(flat_values, ranks, flat_weight)
+    low, high = (_order_statistic(flat_values, rank, flat_weight) for rank in ranks.unbind())
+    return torch.lerp(low, high, interpolation.to(values.dtype))
 
 
-# Inputs up to this size go straight to kthvalue; above it a strided sample of numel / 16 elements (at most
-# _BRACKET_SAMPLE) brackets the rank, and kthvalue runs on the few candidates inside the bracket.
-_BRACKET_MIN_NUMEL = 1 << 12
-_BRACKET_SAMPLE = 1 << 14
+# ---- kernel and endpoints (Eqs. 15-17) -----------------------------------------------------------------------------
 
 
-def order_statistic_pair(flat: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact ``rank``-th and ``rank + 1``-th smallest values of a 1-D tensor (1-based; the second equals the first
-    when ``rank`` is the last).
+def contraction_deficit(abs_proxy: torch.Tensor, q: torch.Tensor, gate: GateParams) -> torch.Tensor:
+    """``1 - kappa(a; q)`` of the kernel (Eq. 16), any shape, at most ``1 - min_scale``; 0 for ``a <= q`` under
+    ``hill_shifted``, meaningful on gated units (``a > q``) under ``hill``.
 
-    Large inputs: a strided sample's order statistics give a bracket ``[low, high]`` expected to hold both ranks
-    (4 standard deviations of the sample rank on each side); one counting pass checks it, and the selection then
-    runs on the candidates inside the bracket only. A bracket that misses falls back to the whole tensor.
+    ``hill``: ``kappa = q^n / (q^n + a^n)``, so ``1 - kappa = 1 / (1 + (q / a)^n)`` (``kappa`` in ``(0, 0.5]`` for
+    ``a > q``); ``hill_shifted``: ``kappa = 1 / (1 + ((a - q) / q)^n)``, so ``1 - kappa = 1 / (1 + (q / (a - q))^n)``.
     """
-    numel = flat.numel()
-    if numel > _BRACKET_MIN_NUMEL:
-        sample = flat[:: max(numel // _BRACKET_SAMPLE, 16)].sort().values
-        size = sample.numel()
-        p_lo, p_hi = (rank - 1) / numel, min(rank + 1, numel) / numel
-        margin = 4.0 * math.sqrt(size * max(p_lo * (1 - p_lo), p_hi * (1 - p_hi))) + 2
-        low = sample[max(int(p_lo * size - margin), 0)]
-        high = sample[min(int(p_hi * size + margin), size - 1)]
-        num_below = int(torch.count_nonzero(flat < low))
-        candidates = flat[(flat >= low) & (flat <= high)]
-        if num_below < rank and num_below + candidates.numel() >= min(rank + 1, numel):
-            flat, rank = candidates, rank - num_below
-    value = torch.kthvalue(flat, rank).values
-    if rank >= flat.numel() or int(torch.count_nonzero(flat <= value)) > rank:  # last rank, or value repeated
-        return value, value
-    return value, torch.where(flat > value, flat, float("inf")).min()
-
-
-def contraction_factor(abs_proxy: torch.Tensor, q: torch.Tensor, gate: GateParams) -> torch.Tensor:
-    """Kernel factor kappa(a; q) for gated units (any shape), clipped below at ``min_scale``.
-
-    ``hill``: ``q^n / (q^n + a^n)`` in ``(0, 0.5]`` for ``a > q``; ``hill_shifted``: ``1 / (1 + ((a - q) / q)^n)``.
-    """
-    q = q.clamp(min=torch.finfo(abs_proxy.dtype).tiny)
+    q = q.clamp(min=torch.finfo(abs_proxy.dtype).tiny)  # a = 0 gives q / a = inf and a deficit of 0, never NaN
     if gate.kernel == "hill":
-        excess = abs_proxy / q
+        inverse = torch.div(q, abs_proxy)
     elif gate.kernel == "hill_shifted":
-        excess = (abs_proxy - q).div_(q)
+        inverse = torch.div(q, (abs_proxy - q).clamp_(min=0.0))
     else:
         raise ValueError(f"unknown SAT kernel {gate.kernel!r}; expected one of {list(KERNELS)}")
-    return excess.pow_(gate.kernel_exponent).add_(1.0).reciprocal_().clamp_(min=gate.min_scale)
+    deficit = inverse.pow_(gate.kernel_exponent).add_(1.0).reciprocal_()
+    return deficit.clamp_(max=1.0 - gate.min_scale) if gate.min_scale > 0 else deficit
 
 
 def trust_region(
@@ -174,78 +308,109 @@ def trust_region(
     clip_high: float,
     gate: GateParams,
     loss_dtype: torch.dtype,
+    weight: torch.Tensor | None = None,
+    num_units: torch.Tensor | None = None,
 ) -> TrustRegion:
-    """Tail gate, kernel and sign-selected endpoint contraction (sections 3 and 4).
+    """Tail gate, kernel and sign-selected endpoint contraction (Eqs. 14-17).
 
     Args:
         proxy: detached staleness proxy ``d`` per unit, any shape; unit_mask: bool, same shape.
         clip_low, clip_high: nominal radii ``eps_lo``, ``eps_hi``.
         loss_dtype: dtype of the returned endpoints (the dtype the ratio is clamped in).
+        weight: optional int64 tokens per unit (length-weighted quantile), 0 at inactive units; default 1 per active
+            unit.
+        num_units: the active units (``unit_mask`` count, or the weight sum), when the caller has it already.
     """
+    # the statistics are detached, fresh tensors: updated in place (each fresh CPU temporary costs page faults)
     d = proxy.detach().to(stat_dtype(proxy.dtype))
-    a = d.abs()
-    q = masked_quantile(a, unit_mask, gate.quantile)
-    gated = unit_mask & (a > q) if q.item() > gate.floor else torch.zeros_like(unit_mask)
-    # Ungated endpoints are verl's scalars (bit for bit); only the tail's G units are computed and scattered in.
-    lower = torch.full(d.shape, 1.0 - clip_low, dtype=loss_dtype, device=d.device)
-    upper = torch.full(d.shape, 1.0 + clip_high, dtype=loss_dtype, device=d.device)
-    gated_index = gated.nonzero(as_tuple=True)
-    kappa = contraction_factor(a[gated_index], q, gate)
-    contract_up = d[gated_index] > 0  # gated implies a > q >= 0, so d != 0
-    lower[gated_index] = torch.where(contract_up, 1.0 - clip_low, 1.0 - clip_low * kappa).to(loss_dtype)
-    upper[gated_index] = torch.where(contract_up, 1.0 + clip_high * kappa, 1.0 + clip_high).to(loss_dtype)
+    a = d.abs().mul_(unit_mask)  # 0 at inactive units
+    if num_units is None:
+        num_units = torch.count_nonzero(unit_mask) if weight is None else weight.sum()
+    q = _masked_tail_quantile(a, num_units, gate.quantile, gate.quantile_method, weight)
+    # 1.0 where a > threshold (a - threshold has sign +1), 0.0 elsewhere: inactive units have a = 0 <= q
+    threshold = q.masked_fill(q <= gate.floor, math.inf)
+    gated = torch.sub(a, threshold).sign_().clamp_(min=0.0)
+    deficit = contraction_deficit(a, q, gate).mul_(gated)  # 1 - kappa on gated units, else 0
+    max_shrink = deficit.amax() if a.numel() else a.new_zeros(())
+    shrink = deficit.mul_(d.sign())
+    lower_part, upper_part = torch.clamp(shrink, max=0.0), torch.clamp(shrink, min=0.0)  # -(1 - c_minus), 1 - c_plus
+
+    parts = (gated, a, lower_part, upper_part)
+    if weight is None:
+        sums = [part.sum() for part in parts]
+    else:  # per-sequence units: one weighted reduction
+        sums = (torch.stack(parts).reshape(len(parts), -1) @ weight.reshape(-1).to(a.dtype)).unbind()
+    stats = RegionStats(
+        gated=sums[0], abs_proxy=sums[1], lower_shrink=-sums[2], upper_shrink=sums[3], max_shrink=max_shrink
+    )
+    # lo = (1 - eps_lo) + eps_lo * (1 - c_minus), hi = (1 + eps_hi) - eps_hi * (1 - c_plus); adding +-0 to verl's
+    # scalar leaves it bit for bit where nothing is contracted
+    lower = lower_part.mul_(-clip_low).to(loss_dtype).add_(1.0 - clip_low)
+    upper = upper_part.mul_(-clip_high).to(loss_dtype).add_(1.0 + clip_high)
     return TrustRegion(
         lower=lower,
         upper=upper,
-        gated=gated,
-        gated_index=gated_index,
-        kappa=kappa,
-        contract_up=contract_up,
+        gate=gated,
+        shrink=shrink,
         abs_proxy=a,
         unit_mask=unit_mask,
+        weight=weight,
+        num_units=num_units,
         quantile=q,
+        stats=stats,
     )
 
 
-def stat_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
-    """Detached clamped ``lp - lp_old`` in the stat dtype: reuses ``log_ratio`` for float32/64 inputs, recomputes
-    from upcast inputs for half precision (a bf16 difference of log-probs near -3 is quantised to 1/64)."""
+# ---- surrogates (Eqs. 18-20) ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _CleanInputs:
+    """NaN tokens (Eq. 13 needs finite log-probs) made inactive. ``[B, T]``.
+
+    ``diff`` keeps their NaN: every later use either masks them (verl's masked sums select with ``where``) or clamps
+    before ``exp``, and a clamp's backward passes no gradient to a NaN input, so none reaches the log-probs.
+    """
+
+    diff: torch.Tensor  # lp - lp_old, carries the gradient
+    multiplier: torch.Tensor  # -A, 0 at NaN entries (so that no NaN gradient comes back through the loss)
+    mask: torch.Tensor  # bool, active and not NaN
+    num_active: torch.Tensor  # 0-dim int64
+    num_nan: torch.Tensor  # 0-dim int64, originally active tokens dropped
+
+
+def _clean_inputs(log_prob, old_log_prob, advantages, response_mask) -> _CleanInputs:
+    diff = log_prob - old_log_prob
+    given = response_mask.bool()
+    # NaN in any input (or inf - inf in the difference) drops the token
+    dropped = torch.isnan(diff.detach() + advantages).logical_and_(given)
+    mask = given ^ dropped
+    num_nan = torch.count_nonzero(dropped)
+    return _CleanInputs(
+        diff=diff,
+        multiplier=advantages.nan_to_num(0.0).neg_(),
+        mask=mask,
+        num_active=torch.count_nonzero(mask),
+        num_nan=num_nan,
+    )
+
+
+def _stat_proxy(log_ratio: torch.Tensor, log_prob, old_log_prob) -> torch.Tensor:
+    """Detached clamped ``lp - lp_old`` in the stat dtype, 0 at NaN tokens: ``log_ratio`` for float32/64 inputs,
+    recomputed from upcast inputs for half precision (a bf16 difference of log-probs near -3 is quantised to 1/64)."""
     dtype = stat_dtype(log_ratio.dtype)
     if log_ratio.dtype == dtype:
-        return log_ratio.detach()
-    diff = log_prob.detach().to(dtype) - old_log_prob.to(dtype)
+        return log_ratio.detach().nan_to_num(0.0)
+    diff = (log_prob.detach().to(dtype) - old_log_prob.to(dtype)).nan_to_num(0.0)
     return torch.clamp(diff, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
 
 
-def drop_nan_tokens(
-    log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Section 6.7: tokens with NaN inputs become inactive and their values 0 (so no NaN reaches sums or grads).
-
-    Returns:
-        ``(log_prob, old_log_prob, advantages, mask, nan_tokens, log_ratio)``, all ``[B, T]``: ``mask`` and
-        ``nan_tokens`` are bool (``nan_tokens``: originally active tokens that were dropped); ``log_ratio`` is the
-        clamped ``lp - lp_old``.
-    """
-    diff = log_prob - old_log_prob
-    bad = torch.isnan(diff + advantages)  # NaN in any input (or inf - inf in the difference)
-    active = response_mask.bool()
-    if bool(bad.any()):
-        log_prob = torch.where(bad, 0.0, log_prob)
-        old_log_prob = torch.where(bad, 0.0, old_log_prob)
-        advantages = torch.where(bad, 0.0, advantages)
-        diff = log_prob - old_log_prob
-        nan_tokens, active = active & bad, active & ~bad
-    else:
-        nan_tokens = torch.zeros_like(active)
-    log_ratio = torch.clamp(diff, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
-    return log_prob, old_log_prob, advantages, active, nan_tokens, log_ratio
-
-
-def _intercepted(clipped: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
-    """Clipped by SAT but not by the nominal interval: SAT's interval lies inside the nominal one, so a clipped
-    token escapes the nominal clip exactly when its ratio is inside ``[1 - eps_lo, 1 + eps_hi]``."""
-    return clipped & (ratio >= 1.0 - clip_low) & (ratio <= 1.0 + clip_high)
+def _intercepted_tokens(ratio: torch.Tensor, clipped: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
+    """Of the ``clipped`` tokens (clipped by SAT), those verl's nominal interval would not clip. SAT's interval lies
+    inside the nominal one on the side a clip acts, so these are exactly the clipped tokens whose (detached) ratio lies
+    inside ``[1 - eps_lo, 1 + eps_hi]``; only gated units can have one. ``ratio``: ``[B, T]``, or ``[B, 1]`` when it
+    is the same at every token of a sequence."""
+    return clipped & torch.eq(torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high), ratio)
 
 
 def sat_token_surrogate(
@@ -258,7 +423,7 @@ def sat_token_surrogate(
     clip_ratio_c: float,
     gate: GateParams,
 ) -> SatSurrogate:
-    """Token-level SAT (SAT-PPO / SAT-GRPO, section 5): verl's dual-clip PPO with per-token SAT endpoints.
+    """Token-level SAT (SAT-PPO / SAT-GRPO, Eq. 18): verl's dual-clip PPO with per-token SAT endpoints.
 
     Args:
         log_prob, old_log_prob, advantages: ``[B, T]``; response_mask: ``[B, T]`` bool or 0/1.
@@ -266,28 +431,30 @@ def sat_token_surrogate(
     """
     if not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip PPO, got {clip_ratio_c}")
-    log_prob, old_log_prob, advantages, mask, nan_tokens, log_ratio = drop_nan_tokens(
-        log_prob, old_log_prob, advantages, response_mask
-    )
-    proxy = stat_log_ratio(log_prob, old_log_prob, log_ratio)
-    region = trust_region(proxy, mask, clip_low, clip_high, gate, log_ratio.dtype)
+    inputs = _clean_inputs(log_prob, old_log_prob, advantages, response_mask)
+    mask, multiplier = inputs.mask, inputs.multiplier
+    negative = advantages < 0
+    log_ratio = torch.clamp(inputs.diff, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+    proxy = _stat_proxy(log_ratio, log_prob, old_log_prob)
+    region = trust_region(proxy, mask, clip_low, clip_high, gate, log_ratio.dtype, num_units=inputs.num_active)
 
     ratio = torch.exp(log_ratio)
-    loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * torch.clamp(ratio, region.lower, region.upper)
+    loss_unclipped = multiplier * ratio
+    loss_clipped = multiplier * torch.clamp(ratio, region.lower, region.upper)
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
-    loss_dual = -advantages * clip_ratio_c
-    loss_mat = torch.where(advantages < 0, torch.minimum(loss_dual, loss_ppo), loss_ppo)
+    loss_dual = multiplier * clip_ratio_c
+    loss_mat = torch.where(negative, torch.minimum(loss_dual, loss_ppo), loss_ppo)
 
-    clipped = torch.gt(loss_clipped, loss_unclipped)
+    clipped = torch.gt(loss_clipped, loss_unclipped).logical_and_(mask)
     return SatSurrogate(
         loss_mat=loss_mat,
         mask=mask,
-        nan_tokens=nan_tokens,
+        num_active=inputs.num_active,
+        num_nan=inputs.num_nan,
         log_ratio=log_ratio.detach(),
         clipped=clipped,
-        intercepted=_intercepted(clipped, ratio.detach(), clip_low, clip_high),
-        dual_clipped=torch.gt(loss_ppo, loss_dual) & (advantages < 0),
+        intercepted=_intercepted_tokens(ratio.detach(), clipped, clip_low, clip_high),
+        dual_clipped=torch.gt(loss_ppo, loss_dual).logical_and_(negative).logical_and_(mask),
         region=region,
     )
 
@@ -302,44 +469,60 @@ def sat_gspo_surrogate(
     gate: GateParams,
     granularity: str = "sequence",
 ) -> SatSurrogate:
-    """GSPO-token surrogate with SAT endpoints (section 5), no dual clip.
+    """GSPO-token surrogate with SAT endpoints (Eqs. 19-20), no dual clip; ``s_i`` and the ratio are built exactly as
+    verl's ``gspo`` builds them (no clamp inside ``s_i``).
 
-    ``granularity="sequence"``: the proxy is the sequence log-ratio ``s_i`` and each sequence's factors are
-    broadcast to its tokens; ``"token"``: proxy, gate and factors per token.
+    ``granularity``: ``sequence`` scores every active token of sequence ``i`` with ``d_i = s_i`` and takes the
+    quantile over active tokens, so a sequence weighs as many times as it has active tokens (Eq. 20);
+    ``sequence_uniform`` counts each non-empty sequence once; ``token`` scores, gates and contracts per token.
+    A sequence's factors apply to all its tokens.
 
     Args:
         log_prob, old_log_prob, advantages: ``[B, T]``; response_mask: ``[B, T]`` bool or 0/1.
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"unknown SAT granularity {granularity!r}; expected one of {list(GRANULARITIES)}")
-    log_prob, old_log_prob, advantages, mask, nan_tokens, log_ratio = drop_nan_tokens(
-        log_prob, old_log_prob, advantages, response_mask
-    )
+    inputs = _clean_inputs(log_prob, old_log_prob, advantages, response_mask)
+    mask, multiplier, diff = inputs.mask, inputs.multiplier, inputs.diff
     lengths = torch.sum(mask, dim=-1)
-    seq_log_ratio = torch.sum(log_ratio * mask, dim=-1) / lengths.clamp(min=1)  # s_i, [B]
+    # s_i as verl's gspo computes it (a detached value there too), with NaN tokens zeroed before the masked sum
+    seq_log_ratio = torch.sum(diff.detach().nan_to_num(0.0).mul_(mask), dim=-1) / lengths.clamp(min=1)  # [B]
 
-    proxy = stat_log_ratio(log_prob, old_log_prob, log_ratio)
-    if granularity == "sequence":  # d_i = s_i, in the stat dtype
-        proxy = (torch.sum(proxy * mask, dim=-1) / lengths.clamp(min=1)).unsqueeze(-1)
-        unit_mask = (lengths > 0).unsqueeze(-1)
+    if granularity == "token":
+        proxy = _stat_proxy(
+            torch.clamp(diff.detach(), min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP), log_prob, old_log_prob
+        )
+        region = trust_region(proxy, mask, clip_low, clip_high, gate, diff.dtype, num_units=inputs.num_active)
     else:
-        unit_mask = mask
-    region = trust_region(proxy, unit_mask, clip_low, clip_high, gate, log_ratio.dtype)
+        proxy = seq_log_ratio
+        if proxy.dtype != stat_dtype(proxy.dtype):  # half precision: s_i from upcast inputs
+            upcast = (log_prob.detach().to(torch.float32) - old_log_prob.to(torch.float32)).nan_to_num(0.0)
+            proxy = torch.sum(upcast * mask, dim=-1) / lengths.clamp(min=1)
+        if granularity == "sequence":  # length-weighted (Eq. 20): the units it saw are the active tokens
+            weight, num_units = lengths.unsqueeze(-1), inputs.num_active
+        else:
+            weight, num_units = None, None
+        region = trust_region(proxy.unsqueeze(-1), (lengths > 0).unsqueeze(-1), clip_low, clip_high, gate,
+                              diff.dtype, weight=weight, num_units=num_units)  # fmt: skip
 
-    log_rho = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    log_rho = diff - diff.detach() + seq_log_ratio.unsqueeze(-1)  # value s_i, gradient d lp (as verl)
     rho = torch.exp(torch.clamp(log_rho, max=GSPO_LOG_RATIO_MAX))
-    loss_unclipped = -advantages * rho
-    loss_clipped = -advantages * torch.clamp(rho, region.lower, region.upper)
+    loss_unclipped = multiplier * rho
+    loss_clipped = multiplier * torch.clamp(rho, region.lower, region.upper)
     loss_mat = torch.maximum(loss_unclipped, loss_clipped)
 
-    clipped = torch.gt(loss_clipped, loss_unclipped)
+    clipped = torch.gt(loss_clipped, loss_unclipped).logical_and_(mask)
+    # the ratio's value is exp(min(s_i, 10)) at every token of sequence i: the band test runs per sequence
+    band_ratio = rho.detach() if granularity == "token" else torch.exp(seq_log_ratio.clamp(max=GSPO_LOG_RATIO_MAX))
     return SatSurrogate(
         loss_mat=loss_mat,
         mask=mask,
-        nan_tokens=nan_tokens,
-        log_ratio=log_ratio.detach(),
+        num_active=inputs.num_active,
+        num_nan=inputs.num_nan,
+        log_ratio=diff.detach(),
         clipped=clipped,
-        intercepted=_intercepted(clipped, rho.detach(), clip_low, clip_high),
-        dual_clipped=torch.zeros_like(mask),
+        intercepted=_intercepted_tokens(band_ratio.reshape(len(band_ratio), -1), clipped, clip_low, clip_high),
+        dual_clipped=None,
         region=region,
+        num_sequences=torch.count_nonzero(lengths),
     )
