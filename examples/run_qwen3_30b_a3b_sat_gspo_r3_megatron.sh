@@ -19,6 +19,9 @@ PROMPTS_PER_STEP=${PROMPTS_PER_STEP:-256}
 SAMPLES_PER_PROMPT=${SAMPLES_PER_PROMPT:-16}
 MAX_PROMPT_LEN=${MAX_PROMPT_LEN:-2048}
 MAX_RESPONSE_LEN=${MAX_RESPONSE_LEN:-8192}
+# tokens per micro-batch and GPU (verl's dynamic batching, as the paper's 32k): SAT-GSPO's quantile is taken per
+# micro-batch, so a micro-batch must hold many sequences (a static micro-batch of 1 would make it plain GSPO)
+MAX_TOKENS_PER_GPU=${MAX_TOKENS_PER_GPU:-32768}
 LR=${LR:-1e-6}
 EXPERIMENT=${EXPERIMENT:-qwen3_30b_a3b_${RECIPE}_lag${LAG}}
 # ------------------------------------------------------------------------------------------------------------------
@@ -31,7 +34,8 @@ python -m verl_sat.main --config-name ppo_megatron_trainer \
   data.max_prompt_length="$MAX_PROMPT_LEN" data.max_response_length="$MAX_RESPONSE_LEN" \
   actor_rollout_ref.model.path="$MODEL_PATH" \
   actor_rollout_ref.actor.optim.lr="$LR" \
-  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1 \
+  actor_rollout_ref.actor.use_dynamic_bsz=true \
+  actor_rollout_ref.actor.ppo_max_token_len_per_gpu="$MAX_TOKENS_PER_GPU" \
   actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4 \
   actor_rollout_ref.actor.megatron.expert_model_parallel_size=8 \
   actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1 \

@@ -84,6 +84,8 @@ def _train(workdir: str, overrides: list[str]) -> int:
 
     try:
         config, settings = compose_train_config(workdir, overrides)
+        for warning in settings.warnings:
+            print(f"verl-sat train: warning: {warning}", file=sys.stderr)
         summary = train(config, settings)
     except (EmbeddedConfigError, WorkdirError, HydraException) as err:  # Hydra's message lists the valid recipes
         print(f"verl-sat train: {err}", file=sys.stderr)

@@ -14,8 +14,8 @@
 """``python -m verl_sat.main +recipe=NAME [+lag=lagL] [verl overrides]``: verl's own PPO entry point
 (``verl.trainer.main_ppo.main``, its ``hydra.main``) with verl-sat's recipe group on the search path.
 
-Before verl starts Ray, the composed config is checked (``verl_sat.preflight``). ``--cfg job`` and the other Hydra
-flags that only print are passed straight to verl.
+Before verl starts Ray, the composed config is checked (``verl_sat.preflight``), also for ``--cfg job``, so that a
+dry run fails as the real run would; only Hydra's help flags skip the checks.
 """
 
 import sys
@@ -23,7 +23,7 @@ import sys
 from verl_sat.preflight import PreflightError, check_config
 
 RECIPES_SEARCHPATH = "pkg://verl_sat.recipes"
-_PRINT_ONLY_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--resolve")
+_HELP_FLAGS = ("--help", "-h", "--hydra-help", "--info", "-i")  # print without composing a job: no checks
 _FLAGS_WITH_VALUE = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd", "--cfg", "-c",
                      "--package", "-p", "--experimental-rerun")  # fmt: skip
 
@@ -66,11 +66,12 @@ def compose_from_args(args: list[str]):
 
 def main() -> None:
     args = with_recipes_searchpath(sys.argv[1:])
-    if not any(arg in _PRINT_ONLY_FLAGS for arg in split_args(args)[0]):
+    if not any(arg in _HELP_FLAGS for arg in split_args(args)[0]):
         from hydra.errors import HydraException
 
         try:
-            check_config(compose_from_args(args))
+            for warning in check_config(compose_from_args(args)):
+                print(f"verl-sat: warning: {warning}", file=sys.stderr)
         except (PreflightError, HydraException) as err:  # Hydra's message lists e.g. the valid recipe names
             sys.exit(f"verl-sat: {err}")
     sys.argv = [sys.argv[0], *args]

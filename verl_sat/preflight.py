@@ -12,7 +12,11 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """Checks run before verl starts Ray: the composed config must name a registered loss that verl-sat can build,
-and the recipe's features must be available for the configured engine. Each failure says what to change."""
+and the recipe's features must be available for the configured engine. Each failure says what to change; settings
+that run but defeat the method come back as warnings, with the keys to change."""
+
+import math
+from fractions import Fraction
 
 from omegaconf import DictConfig
 
@@ -23,15 +27,40 @@ class PreflightError(RuntimeError):
     """A composed config that verl would accept but that cannot run as the user intends."""
 
 
-def check_config(config: DictConfig) -> None:
-    """Raise ``PreflightError`` for the first problem found in a composed verl config."""
+def check_config(config: DictConfig) -> list[str]:
+    """Raise ``PreflightError`` for the first problem found in a composed verl config; return the warnings."""
     _check_plugin()
     actor = config.actor_rollout_ref.actor
     loss_mode = actor.policy_loss.get("loss_mode", "vanilla")
     _check_loss_registered(loss_mode)
-    _check_policy_loss_config(actor.policy_loss)
+    policy_loss = _check_policy_loss_config(actor.policy_loss)
     _check_trainer(config, loss_mode)
     _check_routing_replay(config)
+    return micro_batch_warnings(actor, policy_loss)
+
+
+def micro_batch_warnings(actor: DictConfig, policy_loss) -> list[str]:
+    """SAT-GSPO's sequence quantile is taken per micro-batch (the paper's scope). With ``m`` sequences per
+    micro-batch and quantile alpha, at most ``floor((1 - alpha) m)`` sequences can lie above it counted once each,
+    so ``m < 1 / (1 - alpha)`` gates almost nothing, and ``m = 1`` nothing at all (SAT-GSPO is then GSPO). verl's
+    dynamic batching sizes micro-batches by tokens instead, so it is not checked."""
+    sat = getattr(policy_loss, "sat", None)
+    if policy_loss.loss_mode != "sat_gspo" or sat is None or sat.granularity == "token":
+        return []
+    micro = actor.get("ppo_micro_batch_size_per_gpu")
+    if actor.get("use_dynamic_bsz", False) or micro is None:
+        return []
+    needed = math.ceil(1 / (1 - Fraction(repr(sat.quantile))))
+    if micro >= needed:
+        return []
+    effect = "nothing: SAT-GSPO is exactly GSPO" if micro == 1 else "almost nothing"
+    return [
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}: SAT-GSPO takes its quantile over the "
+        f"sequences of one micro-batch, so with {micro} sequence(s) and policy_loss.sat.quantile={sat.quantile} it "
+        f"gates {effect}. Use verl's dynamic batching (actor_rollout_ref.actor.use_dynamic_bsz=true with "
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=TOKENS; the paper packs 32k tokens per GPU) or set "
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu >= {needed}."
+    ]
 
 
 def _check_plugin() -> None:
@@ -51,12 +80,12 @@ def _check_loss_registered(loss_mode: str) -> None:
         )
 
 
-def _check_policy_loss_config(policy_loss: DictConfig) -> None:
+def _check_policy_loss_config(policy_loss: DictConfig):
     """Build the policy-loss dataclass exactly as verl's workers will (imports ``_target_``, validates ``sat``)."""
     from verl.utils.config import omega_conf_to_dataclass
 
     try:
-        omega_conf_to_dataclass(policy_loss)
+        return omega_conf_to_dataclass(policy_loss)
     except Exception as err:
         cause = err.__cause__ or err
         raise PreflightError(f"actor_rollout_ref.actor.policy_loss does not build: {cause}") from err

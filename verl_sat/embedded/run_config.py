@@ -116,6 +116,7 @@ class RunSettings:
     train_file: str
     test_file: str
     run_dir: Path
+    warnings: tuple[str, ...] = ()  # the preflight's warnings, printed by `verl-sat train`
 
     def __post_init__(self):
         for key, value in (
@@ -209,7 +210,7 @@ def compose_train_config(workdir: str | Path, args: list[str]) -> tuple[DictConf
     check_supported_overrides(overrides)
     config = compose_from_args(with_recipes_searchpath(engine_overrides(workdir, overrides)))
     try:
-        check_config(config)
+        warnings = tuple(check_config(config))
     except PreflightError as err:
         raise EmbeddedConfigError(str(err)) from err
     if not config.algorithm.get("rollout_correction", {}).get("bypass_mode", False):
@@ -250,5 +251,6 @@ def compose_train_config(workdir: str | Path, args: list[str]) -> tuple[DictConf
         train_file=str(config.data.train_files),
         test_file=str(config.data.val_files),
         run_dir=workdir / "runs" / trainer.experiment_name,
+        warnings=warnings,
     )
     return config, settings

@@ -34,7 +34,8 @@ from tqdm import tqdm
 
 from verl_sat.embedded import run_files
 
-# SAT_SPEC.md section 8: Qwen3-30B-A3B-Base, SGLang + Megatron, AIME24 avg@8, one seed (quoted, never mixed).
+# The paper's Table 1 (arXiv 2607.18722): Qwen3-30B-A3B-Base, SGLang + Megatron, AIME24 avg@8, one seed
+# (quoted, never mixed).
 PAPER_TABLE_1 = {
     "grpo": ("31.25", "30.17, then collapse"),
     "gspo": ("32.25", "31.46, then collapse"),
