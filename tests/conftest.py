@@ -25,6 +25,7 @@ import torch
 from hydra import compose, initialize_config_module
 from verl.utils.config import omega_conf_to_dataclass
 
+from verl_sat.config import SatConfig
 from verl_sat.embedded.prepare import PrepareSpec, prepare
 
 # The embedded engine at test size: a 2-layer, 4-expert policy on one-digit addition.
@@ -33,8 +34,26 @@ TINY_PREPARE = PrepareSpec(max_operand=9, num_test=20, hidden_size=32, num_layer
 
 SAT_TARGET = "actor_rollout_ref.actor.policy_loss._target_=verl_sat.config.SatPolicyLossConfig"
 
-# (registered loss, granularity, verl's nominal counterpart): both losses and both granularities.
-LOSS_CASES = [("sat", "token", "vanilla"), ("sat_gspo", "sequence", "gspo"), ("sat_gspo", "token", "gspo")]
+# (registered loss, granularity, verl's nominal counterpart): both losses, every granularity of sat_gspo ("token" for
+# sat is its only, per-token rule; the loss itself is called without a granularity key).
+LOSS_CASES = [
+    ("sat", "token", "vanilla"),
+    ("sat_gspo", "sequence", "gspo"),
+    ("sat_gspo", "sequence_uniform", "gspo"),
+    ("sat_gspo", "token", "gspo"),
+]
+QUANTILE_METHODS = ["inverted_cdf", "linear"]
+
+
+def sat_overrides(loss: str, granularity: str, *extra: str) -> list[str]:
+    """Command-line overrides of the sat block for a LOSS_CASES entry (``sat`` takes no granularity key)."""
+    keys = [] if loss == "sat" else [f"+actor_rollout_ref.actor.policy_loss.sat.granularity={granularity}"]
+    return [*keys, *extra]
+
+
+def gate_config(loss: str, granularity: str, **keys) -> SatConfig:
+    """The ``SatConfig`` a LOSS_CASES entry runs with (``sat`` keeps the default granularity)."""
+    return SatConfig(**keys) if loss == "sat" else SatConfig(granularity=granularity, **keys)
 
 
 def compose_verl(overrides: list[str]):
@@ -114,17 +133,23 @@ def nominal_token_loss(log_prob, old_log_prob, advantages, clip_low, clip_high, 
 
 
 def nominal_gspo_loss(log_prob, old_log_prob, advantages, mask, clip_low, clip_high):
-    """Per-token GSPO-token loss with the fixed interval, written out independently."""
-    log_ratio = torch.clamp(log_prob - old_log_prob, -20.0, 20.0)
+    """Per-token GSPO-token loss with the fixed interval, written out independently (no clamp inside ``s_i``)."""
+    log_ratio = log_prob - old_log_prob
     seq = torch.sum(log_ratio * mask, dim=-1) / torch.sum(mask, dim=-1).clamp(min=1)
     rho = torch.exp(torch.clamp(log_prob - log_prob.detach() + seq.detach().unsqueeze(-1), max=10.0))
     return torch.maximum(-advantages * rho, -advantages * torch.clamp(rho, 1 - clip_low, 1 + clip_high))
 
 
-@pytest.fixture(scope="session")
-def sat_actor_config():
-    """Actor config with the SAT target (defaults of the sat block), loss mode ``sat``."""
+@functools.cache
+def _default_actor_config():
     return actor_config()
+
+
+@pytest.fixture
+def sat_actor_config():
+    """Actor config with the SAT target (defaults of the sat block), loss mode ``sat``: a fresh copy per test, which
+    may swap its ``policy_loss.sat`` block."""
+    return copy.deepcopy(_default_actor_config())
 
 
 @pytest.fixture(scope="session")

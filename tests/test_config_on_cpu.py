@@ -24,9 +24,8 @@ from verl_sat.config import SatConfig, SatPolicyLossConfig, resolve_sat_config
 
 def test_defaults_match_the_spec():
     sat = SatConfig()
-    assert (sat.quantile, sat.kernel, sat.kernel_exponent, sat.min_scale, sat.floor, sat.granularity) == (
-        0.9, "hill", 2.0, 0.0, 0.0, "sequence",
-    )  # fmt: skip
+    assert (sat.quantile, sat.quantile_method, sat.kernel, sat.kernel_exponent, sat.min_scale, sat.floor,
+            sat.granularity) == (0.9, "inverted_cdf", "hill", 2.0, 0.0, 0.0, "sequence")  # fmt: skip
     assert isinstance(SatPolicyLossConfig(), PolicyLossConfig)
     assert SatPolicyLossConfig().sat == sat
 
@@ -41,7 +40,8 @@ def test_defaults_match_the_spec():
         ("min_scale", 1.5, "[0, 1]"),
         ("min_scale", -0.1, "[0, 1]"),
         ("floor", -1.0, ">= 0"),
-        ("granularity", "batch", "['sequence', 'token']"),
+        ("granularity", "batch", "['sequence', 'sequence_uniform', 'token']"),
+        ("quantile_method", "nearest", "['inverted_cdf', 'linear']"),
     ],
 )
 def test_bad_values_name_key_value_and_range(key, value, allowed):
@@ -50,6 +50,19 @@ def test_bad_values_name_key_value_and_range(key, value, allowed):
     message = str(err.value)
     assert f"actor_rollout_ref.actor.policy_loss.sat.{key}={value!r}" in message
     assert allowed in message
+
+
+@pytest.mark.parametrize("granularity", ["token", "sequence_uniform"])
+def test_granularity_is_refused_for_the_token_level_loss(granularity):
+    """``granularity`` selects the score unit of ``sat_gspo``; ``sat`` scores every token and refuses the key, both
+    when verl builds the config and when the loss is called with a config built another way."""
+    message = rf"policy_loss.sat.granularity='{granularity}' has no effect with loss_mode='sat'"
+    with pytest.raises(ValueError, match=message):
+        SatPolicyLossConfig(loss_mode="sat", sat={"granularity": granularity})
+    with pytest.raises(Exception) as err:
+        actor_config(f"+actor_rollout_ref.actor.policy_loss.sat.granularity={granularity}", loss_mode="sat")
+    assert "has no effect with loss_mode='sat'" in str(err.value) + str(err.value.__cause__)
+    assert SatPolicyLossConfig(loss_mode="sat_gspo", sat={"granularity": granularity}).sat.granularity == granularity
 
 
 def test_unknown_sat_key_is_an_error():

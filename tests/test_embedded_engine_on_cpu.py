@@ -73,7 +73,7 @@ def test_each_recipe_trains_and_logs(tiny_workdir, recipe, loss_metric):
     last = records[-1]
     assert loss_metric in last and "actor/pg_loss" in last and "actor/grad_norm" in last
     if recipe.startswith("sat"):
-        for key in ("actor/sat_gate_rate", "actor/sat_quantile", "actor/sat_eff_lower_radius", "actor/sat_min_scale"):
+        for key in ("actor/sat_gate_rate", "actor/sat_q", "actor/sat_eff_lower_radius", "actor/sat_min_factor"):
             assert key in last
         assert 0.0 < last["actor/sat_gate_rate"] < 1.0
     if recipe.endswith("_r3"):

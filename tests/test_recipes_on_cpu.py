@@ -80,8 +80,7 @@ def test_recipe_builds_verl_dataclasses(recipe, lag):
     assert algorithm.rollout_correction["bypass_mode"] is bypass  # a plain dict in AlgoConfig
     assert isinstance(actor.policy_loss, SatPolicyLossConfig) == recipe.startswith("sat_")
     if recipe.startswith("sat_"):
-        granularity = "token" if loss_mode == "sat" else "sequence"
-        assert actor.policy_loss.sat == SatConfig(granularity=granularity)
+        assert actor.policy_loss.sat == SatConfig()  # the paper's rule: the defaults
     r3 = recipe.endswith("_r3")
     assert rollout.enable_rollout_routing_replay is r3
     if r3:
@@ -171,6 +170,44 @@ def test_fsdp_r3_without_replay_on_the_actor_is_refused():
                          config_name="ppo_trainer")  # fmt: skip
     with pytest.raises(PreflightError, match=r"\+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3"):
         check_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides,warned",
+    [
+        (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"], "gates nothing: SAT-GSPO is exactly GSPO"),
+        (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"], "gates almost nothing"),
+        (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=10"], None),  # 1 / (1 - 0.9) sequences
+        (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "actor_rollout_ref.actor.use_dynamic_bsz=true"],
+         None),
+        (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+          "actor_rollout_ref.actor.policy_loss.sat.granularity=token"], None),
+        (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=12",
+          "actor_rollout_ref.actor.policy_loss.sat.quantile=0.95"], "set actor_rollout_ref.actor.ppo_micro_batch_size"),
+    ],
+)  # fmt: skip
+def test_preflight_warns_when_the_micro_batch_cannot_gate(overrides, warned):
+    """SAT-GSPO's quantile is per micro-batch: a static micro-batch under 1 / (1 - alpha) sequences is named with
+    the keys that fix it."""
+    warnings = check_config(compose_recipe("sat_gspo", "lag1", *overrides))
+    if warned is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and warned in warnings[0]
+        assert "actor_rollout_ref.actor.use_dynamic_bsz=true" in warnings[0]
+    assert (
+        check_config(compose_recipe("sat_grpo", "lag1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1")) == []
+    )  # the token-level rule has many tokens in one sequence
+
+
+def test_entry_point_prints_the_micro_batch_warning():
+    proc = subprocess.run(
+        [sys.executable, "-m", "verl_sat.main", "+recipe=sat_gspo", "+lag=lag1", *SMALL_BATCH,
+         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "--cfg", "job"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "verl-sat: warning: actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1" in proc.stderr
 
 
 def test_legacy_trainer_with_bypass_is_refused():

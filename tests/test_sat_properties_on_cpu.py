@@ -11,25 +11,28 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""SAT_SPEC.md section 6, one test per property, for ``sat`` and ``sat_gspo`` (both granularities)."""
+"""The SAT properties, one test each, for ``sat`` and ``sat_gspo`` under every granularity and quantile method:
+containment, pointwise pessimism, baseline preservation, pull-back unchanged, the newly intercepted band, no active
+tokens, NaN tokens, and the gate rate bound."""
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
-from conftest import LOSS_CASES, make_stale_batch, nominal_gspo_loss, nominal_token_loss
+from conftest import LOSS_CASES, QUANTILE_METHODS, gate_config, make_stale_batch, nominal_gspo_loss, nominal_token_loss
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-from verl_sat.config import SatConfig
 from verl_sat.sat_math import sat_gspo_surrogate, sat_token_surrogate
 
 EPS_LO, EPS_HI = 0.2, 0.28
 QUANTILE = 0.5  # a low quantile so that every case has gated tokens on both sides of 1
-CASE_IDS = [f"{loss}-{gran}" for loss, gran, _ in LOSS_CASES]
+CASES = [(*case, method) for case in LOSS_CASES for method in QUANTILE_METHODS]
+CASE_IDS = [f"{loss}-{gran}-{method}" for loss, gran, _, method in CASES]
 
 
-def _surrogate(loss, granularity, batch, log_prob, gate=None):
-    gate = gate or SatConfig(quantile=QUANTILE, granularity=granularity)
+def _surrogate(loss, granularity, method, batch, log_prob, quantile=QUANTILE):
+    gate = gate_config(loss, granularity, quantile=quantile, quantile_method=method)
     if loss == "sat":
         return sat_token_surrogate(
             log_prob, batch.old_log_prob, batch.advantages, batch.response_mask, EPS_LO, EPS_HI, 3.0, gate
@@ -45,78 +48,78 @@ def _nominal(loss, batch, log_prob):
     return nominal_gspo_loss(log_prob, batch.old_log_prob, batch.advantages, batch.response_mask, EPS_LO, EPS_HI)
 
 
-def _per_token(loss, granularity, batch):
+def _per_token(loss, granularity, method, batch):
     """SAT and nominal per-token losses and gradients (each token's loss depends on its own log-prob only)."""
     lp_sat, lp_nom = batch.fresh_log_prob(), batch.fresh_log_prob()
-    out = _surrogate(loss, granularity, batch, lp_sat)
+    out = _surrogate(loss, granularity, method, batch, lp_sat)
     nominal = _nominal(loss, batch, lp_nom)
     out.loss_mat.sum().backward()
     nominal.sum().backward()
     return out, nominal.detach(), lp_sat.grad, lp_nom.grad
 
 
-def _token_view(out, x):
-    """Broadcast a per-unit ``[B, 1]`` tensor of the region to ``[B, T]``."""
+def _tokens(out, x):
+    """A per-unit tensor of the region (``[B, T]`` or ``[B, 1]``) broadcast to ``[B, T]``."""
     return x.expand(out.mask.shape)
-
-
-def _ratio(loss, batch, out):
-    """The ratio the interval clamps: ``r`` per token, or the sequence ratio ``exp(s_i)`` for GSPO."""
-    if loss == "sat":
-        return torch.exp(out.log_ratio)
-    return torch.exp(_seq_log_ratio(out)).expand(out.mask.shape)
 
 
 def _seq_log_ratio(out):
     return (torch.sum(out.log_ratio * out.mask, dim=-1) / torch.sum(out.mask, dim=-1).clamp(min=1)).unsqueeze(-1)
 
 
+def _ratio(loss, out):
+    """The ratio the interval clamps: ``r`` per token, or the sequence ratio ``exp(s_i)`` for GSPO."""
+    if loss == "sat":
+        return torch.exp(out.log_ratio)
+    return torch.exp(_seq_log_ratio(out)).expand(out.mask.shape)
+
+
 def _proxy(out, granularity):
     return out.log_ratio if granularity == "token" else _seq_log_ratio(out).expand(out.mask.shape)
 
 
-@pytest.mark.parametrize("loss,granularity,_", LOSS_CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("loss,granularity,_,method", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_containment(loss, granularity, _, seed):
-    """6.1: 1 - eps_lo <= lo <= 1 <= hi <= 1 + eps_hi for every token, and some endpoints really contract."""
-    batch = make_stale_batch(seed)
-    region = _surrogate(loss, granularity, batch, batch.log_prob).region
+def test_containment(loss, granularity, _, method, seed):
+    """1: 1 - eps_lo <= lo <= 1 <= hi <= 1 + eps_hi for every unit, and some endpoints really contract."""
+    region = _surrogate(loss, granularity, method, make_stale_batch(seed), make_stale_batch(seed).log_prob).region
     assert torch.all(region.lower >= 1 - EPS_LO) and torch.all(region.lower <= 1)
     assert torch.all(region.upper >= 1) and torch.all(region.upper <= 1 + EPS_HI)
     assert torch.any(region.lower > 1 - EPS_LO) and torch.any(region.upper < 1 + EPS_HI)
-    assert region.kappa.numel() == region.gated.sum() > 0
-    assert torch.all((region.kappa > 0) & (region.kappa <= 0.5))
+    kappa = region.kappa[region.gated]
+    assert kappa.numel() > 0 and torch.all((kappa > 0) & (kappa <= 0.5))  # Hill: kappa jumps below 1/2 at the gate
+    assert torch.all(region.kappa[~region.gated] == 1.0)
 
 
-@pytest.mark.parametrize("loss,granularity,_", LOSS_CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("loss,granularity,_,method", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_pointwise_pessimism(loss, granularity, _, seed):
-    """6.2: per-token SAT loss >= per-token nominal loss, strictly greater somewhere."""
+def test_pointwise_pessimism(loss, granularity, _, method, seed):
+    """2: per-token SAT loss >= per-token nominal loss, strictly greater somewhere."""
     batch = make_stale_batch(seed)
-    out = _surrogate(loss, granularity, batch, batch.log_prob)
+    out = _surrogate(loss, granularity, method, batch, batch.log_prob)
     nominal = _nominal(loss, batch, batch.log_prob)
     assert torch.all(out.loss_mat >= nominal)
     assert torch.any(out.loss_mat > nominal)
 
 
-@pytest.mark.parametrize("loss,granularity,_", LOSS_CASES, ids=CASE_IDS)
-def test_baseline_preserved_on_ungated_tokens(loss, granularity, _):
-    """6.3: on ungated tokens the loss and its gradient equal the nominal rule's, bit for bit."""
+@pytest.mark.parametrize("loss,granularity,_,method", CASES, ids=CASE_IDS)
+def test_baseline_preserved_on_ungated_tokens(loss, granularity, _, method):
+    """3: on ungated tokens the loss and its gradient equal the nominal rule's, bit for bit."""
     batch = make_stale_batch(3)
-    out, nominal, grad_sat, grad_nom = _per_token(loss, granularity, batch)
-    ungated = ~_token_view(out, out.region.gated)
+    out, nominal, grad_sat, grad_nom = _per_token(loss, granularity, method, batch)
+    ungated = ~_tokens(out, out.region.gated)
     assert ungated.sum() > 0 and (~ungated).sum() > 0
     assert torch.equal(out.loss_mat[ungated], nominal[ungated])
     assert torch.equal(grad_sat[ungated], grad_nom[ungated])
 
 
-@pytest.mark.parametrize("loss,granularity,nominal_name", LOSS_CASES, ids=CASE_IDS)
-def test_baseline_preserved_without_staleness(loss, granularity, nominal_name, sat_actor_config):
-    """6.3: with lp == lp_old the registered loss equals verl's own (values and gradients)."""
+@pytest.mark.parametrize("loss,granularity,nominal_name,method", CASES, ids=CASE_IDS)
+def test_baseline_preserved_without_staleness(loss, granularity, nominal_name, method, sat_actor_config):
+    """3: with lp == lp_old the registered loss equals verl's own (values and gradients)."""
     batch = make_stale_batch(4)
     fresh = batch.old_log_prob.clone()
     config = sat_actor_config
-    object.__setattr__(config.policy_loss, "sat", SatConfig(granularity=granularity))
+    object.__setattr__(config.policy_loss, "sat", gate_config(loss, granularity, quantile_method=method))
     for agg in ["token-mean", "seq-mean-token-mean"]:
         lp_sat, lp_ref = fresh.clone().requires_grad_(), fresh.clone().requires_grad_()
         sat_loss, metrics = get_policy_loss_fn(loss)(
@@ -132,41 +135,41 @@ def test_baseline_preserved_without_staleness(loss, granularity, nominal_name, s
         assert metrics["actor/sat_gate_rate"] == 0.0
 
 
-@pytest.mark.parametrize("loss,granularity,_", LOSS_CASES, ids=CASE_IDS)
-def test_pull_back_unchanged(loss, granularity, _):
-    """6.4: a gated token whose update moves the ratio toward 1 keeps the nominal gradient."""
+@pytest.mark.parametrize("loss,granularity,_,method", CASES, ids=CASE_IDS)
+def test_pull_back_unchanged(loss, granularity, _, method):
+    """4: a gated token whose update moves the ratio toward 1 keeps the nominal gradient."""
     batch = make_stale_batch(5)
-    out, _, grad_sat, grad_nom = _per_token(loss, granularity, batch)
+    out, _, grad_sat, grad_nom = _per_token(loss, granularity, method, batch)
     d, adv = _proxy(out, granularity), batch.advantages
-    pull_back = _token_view(out, out.region.gated) & out.mask & (((d > 0) & (adv < 0)) | ((d < 0) & (adv > 0)))
+    pull_back = _tokens(out, out.region.gated) & out.mask & (((d > 0) & (adv < 0)) | ((d < 0) & (adv > 0)))
     assert pull_back.sum() > 0
     assert torch.equal(grad_sat[pull_back], grad_nom[pull_back])
 
 
-@pytest.mark.parametrize("loss,granularity,_", LOSS_CASES, ids=CASE_IDS)
-def test_newly_intercepted_band(loss, granularity, _):
-    """6.5: gated outward tokens with the ratio in (hi_t, 1 + eps_hi] or [1 - eps_lo, lo_t) get zero gradient
-    where the nominal rule's is non-zero."""
+@pytest.mark.parametrize("loss,granularity,_,method", CASES, ids=CASE_IDS)
+def test_newly_intercepted_band(loss, granularity, _, method):
+    """5: gated outward tokens with the ratio in (hi_t, 1 + eps_hi] or [1 - eps_lo, lo_t) get zero gradient where
+    the nominal rule's is non-zero, and are counted as intercepted; no other token is."""
     batch = make_stale_batch(6)
-    out, _, grad_sat, grad_nom = _per_token(loss, granularity, batch)
-    d, adv, ratio = _proxy(out, granularity), batch.advantages, _ratio(loss, batch, out)
-    lower, upper = _token_view(out, out.region.lower), _token_view(out, out.region.upper)
-    gated = _token_view(out, out.region.gated) & out.mask
+    out, _, grad_sat, grad_nom = _per_token(loss, granularity, method, batch)
+    d, adv, ratio = _proxy(out, granularity), batch.advantages, _ratio(loss, out)
+    lower, upper = _tokens(out, out.region.lower), _tokens(out, out.region.upper)
+    gated = _tokens(out, out.region.gated) & out.mask
     upper_band = gated & (d > 0) & (adv > 0) & (ratio > upper) & (ratio <= 1 + EPS_HI)
     lower_band = gated & (d < 0) & (adv < 0) & (ratio < lower) & (ratio >= 1 - EPS_LO)
     band = upper_band | lower_band
     assert upper_band.sum() > 0 and lower_band.sum() > 0
     assert torch.all(grad_sat[band] == 0)
     assert torch.all(grad_nom[band] != 0)
-    assert torch.all(out.intercepted[band])
+    assert torch.equal(out.intercepted, band)
 
 
-@pytest.mark.parametrize("loss,granularity,_", LOSS_CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("loss,granularity,_,method", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_no_active_tokens(loss, granularity, _, agg, sat_actor_config):
-    """6.6: an all-masked micro-batch gives a finite zero loss connected to the graph, and finite metrics."""
+def test_no_active_tokens(loss, granularity, _, method, agg, sat_actor_config):
+    """6: an all-masked micro-batch gives a finite zero loss connected to the graph, and finite metrics."""
     batch = make_stale_batch(7)
-    object.__setattr__(sat_actor_config.policy_loss, "sat", SatConfig(granularity=granularity))
+    object.__setattr__(sat_actor_config.policy_loss, "sat", gate_config(loss, granularity, quantile_method=method))
     lp = batch.fresh_log_prob()
     empty = torch.zeros_like(batch.response_mask)
     pg_loss, metrics = get_policy_loss_fn(loss)(batch.old_log_prob, lp, batch.advantages, empty, agg, sat_actor_config)
@@ -174,15 +177,16 @@ def test_no_active_tokens(loss, granularity, _, agg, sat_actor_config):
     pg_loss.backward()
     assert torch.all(lp.grad == 0)
     assert all(math.isfinite(v) for v in metrics.values())
-    assert metrics["actor/sat_min_scale"] == 1.0 and metrics["actor/sat_gate_rate"] == 0.0
+    assert metrics["actor/sat_min_factor"] == 1.0 and metrics["actor/sat_gate_rate"] == 0.0
+    assert metrics["actor/sat_units"] == 0.0 and metrics["actor/sat_q"] == 0.0
 
 
-@pytest.mark.parametrize("loss,granularity,_", LOSS_CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("loss,granularity,_,method", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("tensor", ["log_prob", "old_log_prob", "advantages"])
-def test_nan_tokens_become_inactive(loss, granularity, _, tensor, sat_actor_config):
-    """6.7: NaN in an active token's inputs drops the token from the quantile and agg_loss; nothing else changes."""
+def test_nan_tokens_become_inactive(loss, granularity, _, method, tensor, sat_actor_config):
+    """7: NaN in an active token's inputs drops the token from the quantile and agg_loss; nothing else changes."""
     batch = make_stale_batch(8)
-    object.__setattr__(sat_actor_config.policy_loss, "sat", SatConfig(granularity=granularity))
+    object.__setattr__(sat_actor_config.policy_loss, "sat", gate_config(loss, granularity, quantile_method=method))
     fn = get_policy_loss_fn(loss)
     nan_at = batch.response_mask.clone()
     nan_at[:, 1:] = False  # first token of every non-empty sequence
@@ -206,5 +210,61 @@ def test_nan_tokens_become_inactive(loss, granularity, _, tensor, sat_actor_conf
     expected_frac = nan_at.sum().item() / batch.response_mask.sum().item()
     assert metrics_nan["actor/sat_nan_frac"] == pytest.approx(expected_frac)
     assert metrics_ref["actor/sat_nan_frac"] == 0.0
-    for key in ["actor/sat_quantile", "actor/sat_gate_rate", "actor/pg_clipfrac"]:
-        assert metrics_nan[key] == metrics_ref[key]
+    for key in ["actor/sat_q", "actor/sat_gate_rate", "actor/sat_units", "actor/pg_clipfrac", "actor/ppo_kl"]:
+        assert metrics_nan[key] == metrics_ref[key], key
+
+
+def test_inf_log_probs_go_through_the_clamp(sat_actor_config):
+    """7: +-inf log-probs are not NaN tokens: the +-20 clamp maps them, exactly as verl's vanilla does."""
+    batch = make_stale_batch(9)
+    log_prob = batch.log_prob.clone()
+    log_prob[2, 0], log_prob[3, 1] = float("inf"), float("-inf")
+    results = []
+    for name in ("sat", "vanilla"):
+        lp = log_prob.clone().requires_grad_()
+        pg_loss, metrics = get_policy_loss_fn(name)(
+            batch.old_log_prob, lp, batch.advantages, batch.response_mask, "token-mean", sat_actor_config
+        )
+        pg_loss.backward()
+        results.append((pg_loss, lp.grad, metrics))
+    (sat_loss, sat_grad, metrics), (ref_loss, ref_grad, _) = results
+    assert torch.isfinite(sat_loss) and torch.all(torch.isfinite(sat_grad))
+    assert metrics["actor/sat_nan_frac"] == 0.0 and metrics["actor/sat_gate_rate"] > 0
+    assert sat_grad[2, 0] == ref_grad[2, 0] == 0.0  # clamped: no gradient, as in verl
+
+
+def _gate_bound(method: str, alpha: float, units: int) -> float:
+    """Most units (tokens, length-weighted) above q: floor((1 - alpha) n) for the paper's quantile; linear
+    interpolation between the order statistics around alpha (n - 1) can gate ceil((1 - alpha)(n - 1)), at most one
+    unit more."""
+    frac = 1 - Fraction(repr(alpha))
+    return math.floor(frac * units) if method == "inverted_cdf" else math.ceil(frac * (units - 1))
+
+
+@pytest.mark.parametrize("loss,granularity,_,method", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("alpha", [0.5, 0.9, 0.95, 0.99])
+@pytest.mark.parametrize("kind", ["heavy_tailed", "ties", "tiny_batch"])
+def test_gate_rate_bound(loss, granularity, _, method, alpha, kind, sat_actor_config):
+    """8: at most 1 - alpha of the active units are gated, length-weighted for ``sequence``, for any input; the metric
+    reports the same fraction."""
+    if kind == "tiny_batch":
+        batch = make_stale_batch(10, num_prompts=1, group=3, length=6)
+    else:
+        batch = make_stale_batch(10, scale=0.3)
+    if kind == "ties":  # log-ratios on a coarse grid: many units share |d|, also at q
+        batch.log_prob = batch.old_log_prob + torch.round((batch.log_prob - batch.old_log_prob) * 4) / 4
+    out = _surrogate(loss, granularity, method, batch, batch.log_prob, quantile=alpha)
+    region = out.region
+    weight = region.weight if region.weight is not None else region.unit_mask.long()
+    units = int(weight.sum())
+    gated_units = int((weight * region.gated).sum())
+    assert gated_units <= _gate_bound(method, alpha, units)
+    if method == "inverted_cdf":
+        assert gated_units <= (1 - alpha) * units + 1e-9
+    object.__setattr__(sat_actor_config.policy_loss, "sat", gate_config(loss, granularity, quantile=alpha,
+                                                                        quantile_method=method))  # fmt: skip
+    _, metrics = get_policy_loss_fn(loss)(
+        batch.old_log_prob, batch.log_prob, batch.advantages, batch.response_mask, "token-mean", sat_actor_config
+    )
+    assert metrics["actor/sat_gate_rate"] == pytest.approx(gated_units / units)
+    assert metrics["actor/sat_units"] == units

@@ -16,7 +16,7 @@ prepared as the FSDP engine prepares it (``left_right_2_no_padding``, nested log
 
 import pytest
 import torch
-from conftest import LOSS_CASES, actor_config, make_stale_batch
+from conftest import LOSS_CASES, actor_config, make_stale_batch, sat_overrides
 from tensordict import TensorDict
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.utils import tensordict_utils as tu
@@ -73,8 +73,7 @@ def _nested_log_probs(log_prob, response_mask):
 def test_ppo_loss_worker_path(loss, granularity, _, agg):
     config = actor_config(
         f"actor_rollout_ref.actor.loss_agg_mode={agg}",
-        f"+actor_rollout_ref.actor.policy_loss.sat.granularity={granularity}",
-        "+actor_rollout_ref.actor.policy_loss.sat.quantile=0.5",
+        *sat_overrides(loss, granularity, "+actor_rollout_ref.actor.policy_loss.sat.quantile=0.5"),
         loss_mode=loss,
     )
     stale = make_stale_batch(21, num_prompts=3, group=2, length=MAX_RESPONSE)
@@ -95,5 +94,6 @@ def test_ppo_loss_worker_path(loss, granularity, _, agg):
     assert torch.any(lp_engine.grad != 0)
     assert metrics["actor/sat_gate_rate"].aggregate() == pytest.approx(direct_metrics["actor/sat_gate_rate"])
     assert metrics["actor/sat_gate_rate"].aggregate() > 0
-    for key in ["sat_quantile", "sat_eff_upper_radius", "sat_intercepted_frac", "pg_clipfrac", "ppo_kl"]:
+    for key in ["sat_q", "sat_units", "sat_min_factor", "sat_eff_upper_radius", "sat_intercepted_frac", "pg_clipfrac",
+                "ppo_kl"]:  # fmt: skip
         assert f"actor/{key}" in metrics
