@@ -11,15 +11,17 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Side-by-side timing of the SAT losses against verl's own: ``sat`` vs ``vanilla``, ``sat_gspo`` vs ``gspo``.
+"""Side by side: the SAT losses against verl's own, ``sat`` vs ``vanilla`` and ``sat_gspo`` vs ``gspo``.
 
-Forward + backward of the registered loss on one micro-batch, both losses timed in the same run, interleaved, on the
-same stale inputs. Prints the median times and the ratio of medians per shape.
+For each shape, forward + backward of the registered losses on one micro-batch, timed in the same run, interleaved
+call by call on the same stale inputs (Python's GC off while timing); prints the medians and the ratio of medians.
+Then the host syncs per call of each loss (``verl_sat.host_sync``), on every SAT granularity and quantile method.
 
-    python benchmarks/bench_losses.py [--device cpu|cuda] [--dtype float32 bfloat16] [--repeats 15]
+    python benchmarks/bench_losses.py [--device cpu|cuda] [--dtype float32 bfloat16] [--repeats 100]
 """
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -27,76 +29,123 @@ import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.workers.config import FSDPActorConfig
 
-from verl_sat.config import SatPolicyLossConfig
+from verl_sat.config import SatConfig, SatPolicyLossConfig
+from verl_sat.host_sync import HostSyncCounter
 
 SHAPES = [(8, 4096), (32, 8192), (64, 16384)]
 PAIRS = [("sat", "vanilla", "token-mean"), ("sat_gspo", "gspo", "seq-mean-token-mean")]
+SYNC_TARGET = 2  # at most verl's own syncs plus this
+RATIO_TARGET = {"cpu": 1.5, "cuda": 1.2}
 
 
 def _inputs(batch: int, length: int, dtype: torch.dtype, device: str):
+    """Heavy-tailed stale log-ratios (Student-t, df 2, scale 0.1), per-sequence advantages, ragged masks."""
     gen = torch.Generator().manual_seed(0)
     old = -torch.rand(batch, length, generator=gen) * 4
-    log_ratio = torch.distributions.StudentT(2.0).sample((batch, length)).clamp(-10, 10) * 0.1
+    student = torch.distributions.StudentT(torch.tensor(2.0))
+    log_ratio = student.sample((batch, length)).clamp(-10, 10) * 0.1
     adv = torch.randn(batch, 1, generator=gen).expand(batch, length).contiguous()
     lengths = torch.randint(length // 2, length + 1, (batch,), generator=gen)
     mask = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
     return [t.to(device) for t in (old.to(dtype), (old + log_ratio).to(dtype), adv.to(dtype), mask)]
 
 
-def _time_once(fn, old, log_prob, adv, mask, agg, config, device) -> float:
+def _config(loss_mode: str, sat: SatConfig | None = None) -> FSDPActorConfig:
+    policy_loss = SatPolicyLossConfig(loss_mode=loss_mode, sat=sat or SatConfig())
+    return FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, policy_loss=policy_loss)
+
+
+def _call(name, inputs, agg, config):
+    old, log_prob, adv, mask = inputs
     lp = log_prob.detach().requires_grad_()
+    loss, metrics = get_policy_loss_fn(name)(old, lp, adv, mask, agg, config)
+    loss.backward()
+    return metrics
+
+
+def _time_once(name, inputs, agg, config, device) -> float:
     if device == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn(old, lp, adv, mask, agg, config)[0].backward()
+        _call(name, inputs, agg, config)
         end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end) / 1e3
     t0 = time.perf_counter()
-    fn(old, lp, adv, mask, agg, config)[0].backward()
+    _call(name, inputs, agg, config)
     return time.perf_counter() - t0
+
+
+def time_pairs(device: str, dtypes: list[str], repeats: int) -> float:
+    """Print the timing table; return the worst ratio."""
+    print("| loss vs verl | dtype | shape (B x T) | verl median ms | SAT median ms | ratio |")
+    print("|---|---|---|---:|---:|---:|")
+    worst = 0.0
+    for dtype_name in dtypes:
+        for batch, length in SHAPES:
+            inputs = _inputs(batch, length, getattr(torch, dtype_name), device)
+            for sat_name, verl_name, agg in PAIRS:
+                configs = {sat_name: _config(sat_name), verl_name: _config(verl_name)}
+                times = {sat_name: [], verl_name: []}
+                gc.collect()
+                gc.disable()
+                try:
+                    for i in range(repeats + 5):  # 5 warm-up rounds; interleaved so that machine noise hits both
+                        for name, config in configs.items():
+                            elapsed = _time_once(name, inputs, agg, config, device)
+                            if i >= 5:
+                                times[name].append(elapsed)
+                finally:
+                    gc.enable()
+                sat_ms = statistics.median(times[sat_name]) * 1e3
+                verl_ms = statistics.median(times[verl_name]) * 1e3
+                ratio = sat_ms / verl_ms
+                worst = max(worst, ratio)
+                print(f"| {sat_name} vs {verl_name} | {dtype_name} | {batch} x {length} | {verl_ms:.2f} | {sat_ms:.2f} "
+                      f"| {ratio:.2f}x |", flush=True)  # fmt: skip
+    return worst
+
+
+def count_syncs(device: str) -> int:
+    """Print host syncs per call (forward + backward); return the largest excess over verl's own count."""
+    inputs = _inputs(8, 4096, torch.float32, device)
+    verl_counts = {}
+    for name, agg in (("vanilla", "token-mean"), ("gspo", "seq-mean-token-mean")):
+        with HostSyncCounter() as syncs:
+            _call(name, inputs, agg, _config(name))
+        verl_counts[name] = syncs.count
+    print("\n| loss | granularity | quantile_method | host syncs per call | verl's counterpart |")
+    print("|---|---|---|---:|---:|")
+    excess = 0
+    cases = [("sat", "sequence", "vanilla", "token-mean")] + [
+        ("sat_gspo", granularity, "gspo", "seq-mean-token-mean")
+        for granularity in ("sequence", "sequence_uniform", "token")
+    ]
+    for name, granularity, counterpart, agg in cases:
+        for method in ("inverted_cdf", "linear"):
+            config = _config(name, SatConfig(granularity=granularity, quantile_method=method))
+            with HostSyncCounter() as syncs:
+                _call(name, inputs, agg, config)
+            excess = max(excess, syncs.count - verl_counts[counterpart])
+            shown = "-" if name == "sat" else granularity
+            print(f"| {name} | {shown} | {method} | {syncs.count} | {counterpart}: {verl_counts[counterpart]} |")
+    return excess
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float64"])
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=100)
     args = parser.parse_args()
 
     print(f"device={args.device} threads={torch.get_num_threads()} torch={torch.__version__} repeats={args.repeats}")
-    print("| loss vs verl | dtype | shape (B x T) | verl median ms | SAT median ms | ratio |")
-    print("|---|---|---|---:|---:|---:|")
-    worst = 0.0
-    for dtype_name in args.dtype:
-        dtype = getattr(torch, dtype_name)
-        for batch, length in SHAPES:
-            inputs = _inputs(batch, length, dtype, args.device)
-            for sat_name, verl_name, agg in PAIRS:
-                config = FSDPActorConfig(
-                    strategy="fsdp",
-                    rollout_n=1,
-                    ppo_micro_batch_size_per_gpu=1,
-                    policy_loss=SatPolicyLossConfig(loss_mode=sat_name),
-                )
-                fns = {name: get_policy_loss_fn(name) for name in (sat_name, verl_name)}
-                times = {sat_name: [], verl_name: []}
-                for _ in range(2):  # warm-up
-                    for fn in fns.values():
-                        _time_once(fn, *inputs, agg, config, args.device)
-                for _ in range(args.repeats):  # interleaved so that machine noise hits both
-                    for name, fn in fns.items():
-                        times[name].append(_time_once(fn, *inputs, agg, config, args.device))
-                sat_ms = statistics.median(times[sat_name]) * 1e3
-                verl_ms = statistics.median(times[verl_name]) * 1e3
-                ratio = sat_ms / verl_ms
-                worst = max(worst, ratio)
-                print(
-                    f"| {sat_name} vs {verl_name} | {dtype_name} | {batch} x {length} "
-                    f"| {verl_ms:.2f} | {sat_ms:.2f} | {ratio:.2f}x |",
-                    flush=True,
-                )
-    print(f"worst ratio: {worst:.2f}x")
+    worst = time_pairs(args.device, args.dtype, args.repeats)
+    excess = count_syncs(args.device)
+    target = RATIO_TARGET.get(args.device, 1.5)
+    verdict = {True: "met", False: "MISSED"}
+    print(f"\nworst time ratio {worst:.2f}x (target <= {target}x): {verdict[worst <= target]}")
+    print(f"most host syncs above verl's: {excess} (target <= {SYNC_TARGET}): {verdict[excess <= SYNC_TARGET]}")
 
 
 if __name__ == "__main__":
