@@ -11,11 +11,47 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""The recipe group shipped as ``verl_sat.recipes``: which recipes and lags exist, and what each one is."""
+"""The recipe group shipped as ``verl_sat.recipes``: which recipes, lags and pieces exist, what each one is, and the
+paper's Table 1 numbers beside the recipes that are its rows."""
 
+from dataclasses import dataclass
 from importlib.resources import files
 
-RECIPE_GROUPS = ("recipe", "lag")
+RECIPE_GROUPS = ("recipe", "lag", "radii", "r3")  # listed by `verl-sat recipes`
+GROUP_USAGE = {"recipe": "+recipe=NAME", "lag": "+lag=NAME", "radii": "+radii=NAME", "r3": "r3=NAME (with *_r3)"}
+
+
+@dataclass(frozen=True)
+class PaperRow:
+    """One row of the paper's Table 1 (arXiv 2607.18722): AIME24 avg@8 of the best checkpoint at lag 1 and lag 8
+    (Qwen3-30B-A3B-Base, one seed), whether the lag-8 run collapsed later, and the last-epoch mismatch d_pi."""
+
+    method: str
+    lag1: float
+    lag8: float
+    collapses_at_lag8: bool
+    mismatch_lag1: float
+    mismatch_lag8: float
+
+    def scores(self) -> str:
+        return f"{self.lag1:.2f} / {self.lag8:.2f}{' (collapses)' if self.collapses_at_lag8 else ''}"
+
+
+PAPER_TABLE_1 = {
+    "grpo": PaperRow("GRPO", 31.25, 30.17, True, 0.0103, 0.0110),
+    "gspo": PaperRow("GSPO", 32.25, 31.46, True, 0.0097, 0.0109),
+    "grpo_r3": PaperRow("GRPO w/ R3", 31.83, 29.58, False, 0.0058, 0.0218),
+    "gspo_r3": PaperRow("GSPO w/ R3", 34.00, 33.13, False, 0.0091, 0.0158),
+    "grpo_tis": PaperRow("GRPO w/ TIS", 31.62, 31.46, False, 0.0108, 0.0169),
+    "gspo_tis": PaperRow("GSPO w/ TIS", 32.88, 31.21, False, 0.0151, 0.0208),
+    "grpo_tis_r3": PaperRow("GRPO w/ TIS w/ R3", 31.79, 31.79, False, 0.0048, 0.0081),
+    "gspo_tis_r3": PaperRow("GSPO w/ TIS w/ R3", 31.88, 32.92, False, 0.0054, 0.0068),
+    "dppo": PaperRow("DPPO", 33.96, 32.71, False, 0.0108, 0.0118),
+    "sat_grpo": PaperRow("SAT-GRPO", 32.71, 32.08, False, 0.0101, 0.0108),
+    "sat_gspo": PaperRow("SAT-GSPO", 34.17, 32.71, False, 0.0095, 0.0107),
+    "sat_grpo_r3": PaperRow("SAT-GRPO w/ R3", 33.75, 33.13, False, 0.0056, 0.0079),
+    "sat_gspo_r3": PaperRow("SAT-GSPO w/ R3", 35.83, 34.79, False, 0.0056, 0.0076),
+}
 
 
 def describe(group: str) -> dict[str, str]:
@@ -30,10 +66,12 @@ def describe(group: str) -> dict[str, str]:
 
 
 def format_catalog() -> str:
-    """One line per recipe and per lag, as ``verl-sat recipes`` prints them."""
-    out = []
-    for group in RECIPE_GROUPS:
-        out.append(f"+{group}=NAME")
-        for name, summary in describe(group).items():
-            out.append(f"  {name:<13} {summary}")
+    """What ``verl-sat recipes`` prints: each recipe with the paper's lag 1 / lag 8 score, then the lags and pieces."""
+    out = ["+recipe=NAME  (paper Table 1, AIME24 avg@8 at lag 1 / lag 8)"]
+    for name, summary in describe("recipe").items():
+        row = PAPER_TABLE_1.get(name)
+        out.append(f"  {name:<12} {row.scores() if row else '':<25} {summary}")
+    for group in RECIPE_GROUPS[1:]:
+        out.append(GROUP_USAGE[group])
+        out += [f"  {name:<12} {summary}" for name, summary in describe(group).items()]
     return "\n".join(out)

@@ -33,18 +33,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from verl_sat.embedded import run_files
-
-# The paper's Table 1 (arXiv 2607.18722): Qwen3-30B-A3B-Base, SGLang + Megatron, AIME24 avg@8, one seed
-# (quoted, never mixed).
-PAPER_TABLE_1 = {
-    "grpo": ("31.25", "30.17, then collapse"),
-    "gspo": ("32.25", "31.46, then collapse"),
-    "dppo": ("33.96", "32.71"),
-    "sat_gspo": ("34.17", "32.71"),
-    "gspo_r3": ("34.00", "33.13"),
-    "sat_grpo_r3": ("33.75", "33.13"),
-    "sat_gspo_r3": ("35.83", "34.79"),
-}
+from verl_sat.recipe_catalog import PAPER_TABLE_1
 
 
 @dataclass(frozen=True)
@@ -197,7 +186,8 @@ def write_results(out: Path, rows: list[dict], command: str, lags: list[int], fa
         lines += ["", "Failed cells (see logs/): " + ", ".join(c.name for c in failed)]
     lines += ["", "Paper, Table 1 (Qwen3-30B-A3B-Base, AIME24 avg@8, one seed; for reference only):", "",
               "| recipe | lag 1 | lag 8 |", "|---|---|---|"]  # fmt: skip
-    lines += [f"| {recipe} | {PAPER_TABLE_1[recipe][0]} | {PAPER_TABLE_1[recipe][1]} |"
+    lines += [f"| {recipe} | {PAPER_TABLE_1[recipe].lag1:.2f} | {PAPER_TABLE_1[recipe].lag8:.2f}"
+              f"{' then collapse' if PAPER_TABLE_1[recipe].collapses_at_lag8 else ''} |"
               for recipe in recipes if recipe in PAPER_TABLE_1]  # fmt: skip
     run_files.write_atomic(out / "results.md", "\n".join(lines) + "\n")
 
