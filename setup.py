@@ -22,7 +22,6 @@ install_requires = [
     "torch>=2.6",
     "hydra-core>=1.3",
     "omegaconf>=2.3",
-    "wrapt>=1.14",  # post-import hook: add routing replay to verl's FSDP engine when verl imports it
     "matplotlib>=3.7",  # curves.png of the embedded engine and the sweep plots
     "tensorboard>=2.14",  # TensorBoard events of the embedded engine
 ]
@@ -47,7 +46,7 @@ setup(
     # the top-level recipes/ folder is the Hydra config group, shipped as verl_sat.recipes (pkg://verl_sat.recipes)
     packages=[*find_packages(include=["verl_sat", "verl_sat.*"]), "verl_sat.recipes"],
     package_dir={"verl_sat.recipes": "recipes"},
-    package_data={"verl_sat.recipes": ["recipe/*.yaml", "lag/*.yaml", "r3/*.yaml", "embedded/*.yaml"]},
+    package_data={"verl_sat.recipes": ["*/*.yaml"]},
     install_requires=install_requires,
     extras_require=extras_require,
     entry_points={

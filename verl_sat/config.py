@@ -11,19 +11,21 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Dataclass configs for the SAT policy losses.
+"""Dataclass configs verl-sat adds to verl's config tree, and the recipes' OmegaConf resolvers.
 
 ``SatPolicyLossConfig`` extends verl's ``PolicyLossConfig`` with a nested ``sat`` block, so a recipe that sets
 ``actor_rollout_ref.actor.policy_loss._target_=verl_sat.config.SatPolicyLossConfig`` accepts command-line overrides
-such as ``actor_rollout_ref.actor.policy_loss.sat.quantile=0.95``.
+such as ``actor_rollout_ref.actor.policy_loss.sat.quantile=0.95``. ``FSDPRouterReplayConfig`` is verl's router-replay
+config for the FSDP engine, where verl-sat provides R3.
 """
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from omegaconf import OmegaConf
 from verl.base_config import BaseConfig
-from verl.workers.config import PolicyLossConfig
+from verl.workers.config import EngineRouterReplayConfig, PolicyLossConfig
 
 from verl_sat.sat_math import GRANULARITIES, KERNELS, QUANTILE_METHODS
 
@@ -128,3 +130,48 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
             f"actor_rollout_ref.actor.policy_loss.sat.{key}={value!r} is invalid: expected {allowed}. "
             f"Fix the override or the recipe's sat block."
         )
+
+
+@dataclass
+class FSDPRouterReplayConfig(EngineRouterReplayConfig):
+    """verl's ``EngineRouterReplayConfig`` for the FSDP engine (``actor_rollout_ref.actor.fsdp_config.router_replay``,
+    set by the ``r3=fsdp`` recipe piece). verl 0.9.1's FSDP engine has no routing replay; building this config with
+    ``mode=R3`` installs verl-sat's (``verl_sat.fsdp_engine``) in verl's engine registry of this process, so a job
+    that does not ask for R3 runs verl's engine unchanged. Anything that cannot replay fails here, in the worker that
+    builds the engine, naming the key: a mode other than R3, or an FSDP engine that is not verl's. A worker without
+    verl-sat fails to import this class.
+    """
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.mode == "disabled":
+            return
+        if self.mode != "R3":
+            raise ValueError(
+                f"actor_rollout_ref.actor.fsdp_config.router_replay.mode={self.mode!r}: verl-sat's routing replay "
+                "under the FSDP engine replays the rollout engine's routes (R3) only; set mode=R3 or disabled"
+            )
+        from verl_sat.fsdp_engine import register_engine
+
+        register_engine()
+
+
+def divide_evenly(total: int, parts: int) -> int:
+    """``${verl_sat.div:a,b}``: ``a / b`` as an int, for a mini-batch that must follow ``data.train_batch_size``."""
+    if parts <= 0 or total % parts:
+        raise ValueError(
+            f"data.train_batch_size={total} must be a positive multiple of the lag n={parts}: the +lag preset trains "
+            f"each batch as n mini-batches of train_batch_size / n prompts (trainer.v1.separate_async."
+            f"parameter_sync_step={parts}); choose data.train_batch_size = {parts} x prompts per optimizer step"
+        )
+    return total // parts
+
+
+RESOLVERS = {"verl_sat.div": divide_evenly}
+
+
+def register_resolvers() -> None:
+    """Register the recipes' OmegaConf resolvers (the plugin does, in every verl process)."""
+    for name, resolver in RESOLVERS.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)

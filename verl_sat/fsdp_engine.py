@@ -18,8 +18,8 @@ actor replay the ``routed_experts`` the rollout engine returned, in both ``compu
 reference model has its own engine config and keeps native routing.
 
 verl 0.9.1's FSDP engine ignores ``routed_experts``. ``RoutingReplayFSDPEngine`` subclasses its
-``FSDPEngineWithLMHead`` and behaves exactly like it unless R3 is on; importing this module puts it in verl's
-``EngineRegistry``. The plugin imports it when verl imports its FSDP engine, so ``import verl`` does not.
+``FSDPEngineWithLMHead``; ``register_engine`` puts it in verl's ``EngineRegistry`` when a job's router-replay config
+asks for R3 (``verl_sat.config.FSDPRouterReplayConfig``), so a job without R3 builds verl's own class.
 """
 
 import logging
@@ -101,12 +101,17 @@ class RoutingReplayFSDPEngine(FSDPEngineWithLMHead):
         return loss, output
 
 
-def register_engine() -> None:
-    """Replace verl's ``FSDPEngineWithLMHead`` with ``RoutingReplayFSDPEngine`` in ``EngineRegistry`` for language
-    models on the fsdp/fsdp2 backends, for every device it was registered for.
+class RoutingReplayUnavailable(RuntimeError):
+    """A job asks for R3 under FSDP but the engine verl would build cannot replay."""
 
-    ``EngineRegistry.register`` refuses a key twice, so the entries are replaced in place; an entry that is not
-    verl's own class (another plugin's engine) is left alone with a warning.
+
+def register_engine() -> None:
+    """Put ``RoutingReplayFSDPEngine`` in verl's ``EngineRegistry`` for language models on the fsdp/fsdp2 backends
+    (every device verl registered its ``FSDPEngineWithLMHead`` for), and make ``fsdp_turbo`` refuse R3.
+
+    Called by ``verl_sat.config.FSDPRouterReplayConfig`` when a job asks for R3, never at import, so a job without R3
+    keeps verl's own class. ``EngineRegistry.register`` refuses a key twice, so entries are replaced in place; an
+    entry that is neither verl's class nor ours (another plugin's engine) raises, since it would ignore the routes.
     """
     language_models = EngineRegistry._engines["language_model"]
     for backend in FSDP_BACKENDS:
@@ -114,11 +119,32 @@ def register_engine() -> None:
             if registered is FSDPEngineWithLMHead:
                 language_models[backend][key] = RoutingReplayFSDPEngine
             elif registered is not RoutingReplayFSDPEngine:
-                logger.warning(
-                    "verl-sat: the %s/%s language-model engine is %s, not verl's FSDPEngineWithLMHead; "
-                    "routing replay under FSDP is not added to it",
-                    backend, key, registered.__name__,
-                )  # fmt: skip
+                raise RoutingReplayUnavailable(
+                    f"actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3, but verl's {backend}/{key} "
+                    f"language-model engine is {registered.__module__}.{registered.__name__}, not verl's "
+                    "FSDPEngineWithLMHead, and verl-sat cannot add routing replay to it: remove the other engine "
+                    "plugin, or set router_replay.mode=disabled"
+                )
+    for key, registered in language_models.get("fsdp_turbo", {}).items():
+        if not getattr(registered, "_refuses_routing_replay", False):
+            language_models["fsdp_turbo"][key] = _refusing_routing_replay(registered)
 
 
-register_engine()  # importing this module registers the engine, as verl's own @EngineRegistry.register does
+def _refusing_routing_replay(engine_cls: type) -> type:
+    """``engine_cls`` unchanged, except that building it with R3 raises (verl's fsdp_turbo engine has no replay)."""
+
+    class RefusesRoutingReplay(engine_cls):
+        _refuses_routing_replay = True
+
+        def __init__(self, *args, **kwargs):
+            engine_config = kwargs.get("engine_config")
+            if getattr(getattr(engine_config, "router_replay", None), "mode", "disabled") != "disabled":
+                raise RoutingReplayUnavailable(
+                    "actor_rollout_ref.actor.strategy=fsdp_turbo has no routing replay, but "
+                    "actor_rollout_ref.actor.fsdp_config.router_replay.mode is not disabled: use strategy=fsdp2 "
+                    "(verl-sat's R3) or set router_replay.mode=disabled"
+                )
+            super().__init__(*args, **kwargs)
+
+    RefusesRoutingReplay.__name__ = RefusesRoutingReplay.__qualname__ = f"{engine_cls.__name__}RefusesRoutingReplay"
+    return RefusesRoutingReplay

@@ -18,11 +18,17 @@ Before verl starts Ray, the composed config is checked (``verl_sat.preflight``),
 dry run fails as the real run would; only Hydra's help flags skip the checks.
 """
 
+import os
 import sys
+from importlib.util import find_spec
+
+from omegaconf import DictConfig
 
 from verl_sat.preflight import PreflightError, check_config
 
 RECIPES_SEARCHPATH = "pkg://verl_sat.recipes"
+# verl's PPO entry point and its @hydra.main(config_path="config", config_name="ppo_trainer")
+VERL_ENTRY_MODULE, VERL_CONFIG_PATH, VERL_CONFIG_NAME = "verl.trainer.main_ppo", "config", "ppo_trainer"
 _HELP_FLAGS = ("--help", "-h", "--hydra-help", "--info", "-i")  # print without composing a job: no checks
 _FLAGS_WITH_VALUE = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd", "--cfg", "-c",
                      "--package", "-p", "--experimental-rerun")  # fmt: skip
@@ -43,25 +49,52 @@ def split_args(args: list[str]) -> tuple[list[str], list[str]]:
 
 
 def with_recipes_searchpath(args: list[str]) -> list[str]:
-    """Args with verl-sat's recipes on ``hydra.searchpath`` (kept if the user set one), flags first: argparse
-    takes the overrides as one positional group."""
+    """Args with verl-sat's recipes appended to ``hydra.searchpath``, flags first (argparse takes the overrides as
+    one positional group). The search path the user gave on the command line, or else the one the primary config
+    declares (a custom ``--config-path`` config often lists ``pkg://verl.trainer.config`` there), is kept in front."""
     flags, overrides = split_args(args)
-    if not any(arg.startswith(("hydra.searchpath=", "+hydra.searchpath=")) for arg in overrides):
-        overrides = [f"hydra.searchpath=[{RECIPES_SEARCHPATH}]", *overrides]
-    return [*flags, *overrides]
+    given = [o for o in overrides if o.lstrip("+").startswith("hydra.searchpath=")]
+    if given:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        entries = OverridesParser.create().parse_override(given[-1]).value()  # the override's list
+        overrides = [o for o in overrides if o not in given]
+    else:
+        entries = compose_from_args([*flags, "hydra/job_logging=none", "hydra/hydra_logging=none"]).hydra.searchpath
+    entries = [*entries, *([] if RECIPES_SEARCHPATH in entries else [RECIPES_SEARCHPATH])]
+    return [*flags, f"hydra.searchpath=[{','.join(entries)}]", *overrides]
 
 
-def compose_from_args(args: list[str]):
-    """Compose the config verl's entry point will see, with Hydra's compose API (no side effects)."""
-    from hydra import compose, initialize_config_module
+def compose_from_args(args: list[str]) -> DictConfig:
+    """The config verl's entry point will compose for ``args``, composed the way its ``hydra.main`` does it: the
+    same search path (verl's ``config`` folder next to ``verl/trainer/main_ppo.py``, or ``--config-path`` /
+    ``-cp`` absolute or relative to that file, plus ``--config-dir`` / ``-cd``), config name and overrides. Hydra's
+    own helpers build the search path; nothing runs and Hydra's global state is left as it was."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_automatic_config_search_path, get_args_parser
+    from hydra.core.config_search_path import SearchPathQuery
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import SearchPathException
+    from hydra.types import RunMode
 
-    flags, overrides = split_args(args)
-    config_name = "ppo_trainer"
-    for flag, value in zip(flags, flags[1:], strict=False):
-        if flag in ("--config-name", "-cn"):
-            config_name = value
-    with initialize_config_module("verl.trainer.config", version_base=None):
-        return compose(config_name, overrides=overrides)
+    parsed = get_args_parser().parse_args(args)
+    search_path = create_automatic_config_search_path(
+        find_spec(VERL_ENTRY_MODULE).origin, None, parsed.config_path or VERL_CONFIG_PATH
+    )
+    if parsed.config_dir is not None:
+        config_dir = os.path.abspath(parsed.config_dir)
+        if not os.path.isdir(config_dir):
+            raise SearchPathException(f"Additional config directory '{config_dir}' not found")
+        search_path.prepend(provider="command-line", path=f"file://{config_dir}", anchor=SearchPathQuery("schema"))
+    global_hydra = GlobalHydra.instance()
+    outer = global_hydra.hydra if global_hydra.is_initialized() else None
+    try:
+        hydra = Hydra.create_main_hydra2(task_name="main_ppo", config_search_path=search_path)
+        return hydra.compose_config(parsed.config_name or VERL_CONFIG_NAME, parsed.overrides, run_mode=RunMode.RUN)
+    finally:
+        global_hydra.clear()
+        if outer is not None:
+            global_hydra.initialize(outer)
 
 
 def main() -> None:

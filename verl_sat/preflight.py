@@ -20,7 +20,8 @@ from fractions import Fraction
 
 from omegaconf import DictConfig
 
-FSDP_STRATEGIES = ("fsdp", "fsdp2")
+FSDP_STRATEGIES = ("fsdp", "fsdp2", "fsdp_turbo")
+FSDP_ROUTER_REPLAY_TARGET = "verl_sat.config.FSDPRouterReplayConfig"
 
 
 class PreflightError(RuntimeError):
@@ -101,10 +102,20 @@ def _check_trainer(config: DictConfig, loss_mode: str) -> None:
 
 
 def _check_routing_replay(config: DictConfig) -> None:
-    if not config.actor_rollout_ref.rollout.get("enable_rollout_routing_replay", False):
-        return
+    """R3 under FSDP is verl-sat's (``r3=fsdp``): a job that asks for it and cannot get it stops here, naming the
+    key."""
     actor = config.actor_rollout_ref.actor
     if actor.strategy not in FSDP_STRATEGIES:
+        return
+    rollout_routes = config.actor_rollout_ref.rollout.get("enable_rollout_routing_replay", False)
+    replay = actor.get("fsdp_config", {}).get("router_replay", {})
+    mode = replay.get("mode", "disabled")
+    if not rollout_routes:
+        if mode != "disabled":
+            raise PreflightError(
+                f"actor_rollout_ref.actor.fsdp_config.router_replay.mode={mode!r} but the rollout returns no routes: "
+                "set actor_rollout_ref.rollout.enable_rollout_routing_replay=true (an *_r3 recipe with r3=fsdp does)"
+            )
         return
     if "megatron" in actor:
         raise PreflightError(
@@ -112,11 +123,16 @@ def _check_routing_replay(config: DictConfig) -> None:
             f"{actor.strategy!r}: add r3=fsdp for verl-sat's FSDP routing replay, or run with "
             "--config-name ppo_megatron_trainer"
         )
-    mode = actor.fsdp_config.get("router_replay", {}).get("mode", "disabled")
-    if mode != "R3":
+    if actor.strategy == "fsdp_turbo":
         raise PreflightError(
-            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true but the FSDP actor does not replay: set "
-            "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3 (or r3=fsdp with an *_r3 recipe)"
+            "actor_rollout_ref.actor.strategy='fsdp_turbo' has no routing replay: use strategy=fsdp2 with r3=fsdp"
+        )
+    if replay.get("_target_") != FSDP_ROUTER_REPLAY_TARGET or mode != "R3":
+        raise PreflightError(
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true but the FSDP actor does not replay "
+            f"(actor_rollout_ref.actor.fsdp_config.router_replay: _target_={replay.get('_target_')!r}, mode={mode!r}; "
+            "verl's FSDP engine ignores the routes): add r3=fsdp to an *_r3 recipe, or set "
+            f"+actor_rollout_ref.actor.fsdp_config.router_replay._target_={FSDP_ROUTER_REPLAY_TARGET} and mode=R3"
         )
     if not config.actor_rollout_ref.model.get("use_remove_padding", False):
         raise PreflightError("routing replay under FSDP needs actor_rollout_ref.model.use_remove_padding=true")
