@@ -43,29 +43,29 @@ def _stdout_of_fresh_interpreter(*lines: str) -> list[str]:
     return proc.stdout.splitlines()
 
 
-def test_import_verl_stays_lazy_and_the_engine_is_registered_when_verl_imports_it():
+def test_import_verl_leaves_verls_engine_until_a_job_asks_for_r3():
+    """``import verl`` (which loads the plugin) and importing verl's FSDP engine leave verl's classes in the registry;
+    building the R3 router-replay config installs verl-sat's engine for language models only."""
     assert _stdout_of_fresh_interpreter(
         "import verl",
         "print('engine imported by import verl:', 'verl.workers.engine.fsdp.transformer_impl' in sys.modules)",
         "from verl.workers.engine import EngineRegistry",
+        "import verl_sat.fsdp_engine  # importing the module registers nothing",
+        "for backend in ('fsdp', 'fsdp2'):",
+        "    print(backend, EngineRegistry.get_engine_cls('language_model', backend).__qualname__)",
+        "from verl_sat.config import FSDPRouterReplayConfig",
+        "FSDPRouterReplayConfig(mode='R3')",
         "for backend in ('fsdp', 'fsdp2'):",
         "    print(backend, EngineRegistry.get_engine_cls('language_model', backend).__qualname__)",
         "print('value', EngineRegistry.get_engine_cls('value_model', 'fsdp').__qualname__)",
     ) == [
         "engine imported by import verl: False",
+        "fsdp FSDPEngineWithLMHead",
+        "fsdp2 FSDPEngineWithLMHead",
         "fsdp RoutingReplayFSDPEngine",
         "fsdp2 RoutingReplayFSDPEngine",
         "value FSDPEngineWithValueHead",
     ]
-
-
-def test_importing_the_engine_module_first_also_registers():
-    """``import verl_sat.fsdp_engine`` pulls verl's FSDP engine in, whose import hook must not trip over it."""
-    assert _stdout_of_fresh_interpreter(
-        "import verl_sat.fsdp_engine",
-        "from verl.workers.engine import EngineRegistry",
-        "print(EngineRegistry.get_engine_cls('language_model', 'fsdp2').__qualname__)",
-    ) == ["RoutingReplayFSDPEngine"]
 
 
 def test_pinned_verl_fsdp_engine_code():

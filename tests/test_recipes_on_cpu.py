@@ -11,7 +11,9 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""The recipe group and ``python -m verl_sat.main``: composition with verl 0.9.1's configs, key by key."""
+"""The recipe group and ``python -m verl_sat.main``: every Table 1 row x every lag preset composed over verl 0.9.1's
+packaged configs, built into verl's dataclasses and checked key by key; the lag presets against verl's separate-async
+rules; the entry point's composition; the examples."""
 
 import os
 import subprocess
@@ -20,37 +22,27 @@ import zipfile
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from verl.trainer.config import AlgoConfig
 from verl.utils.config import omega_conf_to_dataclass
-from verl.workers.config import EngineRouterReplayConfig, McoreActorConfig, RolloutConfig
+from verl.workers.config import McoreActorConfig, RolloutConfig
 
-from verl_sat.config import SatConfig, SatPolicyLossConfig
-from verl_sat.main import with_recipes_searchpath
+from verl_sat.config import FSDPRouterReplayConfig, SatConfig, SatPolicyLossConfig
+from verl_sat.main import RECIPES_SEARCHPATH, compose_from_args, split_args, with_recipes_searchpath
 from verl_sat.preflight import PreflightError, check_config
-from verl_sat.recipe_catalog import describe
+from verl_sat.recipe_catalog import PAPER_TABLE_1, describe
 
-RECIPES = ["grpo", "gspo", "dppo", "tis", "sat_grpo", "sat_gspo", "gspo_r3", "sat_grpo_r3", "sat_gspo_r3"]
-LAGS = {"sync": 0, "lag1": 1, "lag8": 8}
-GRPO_FAMILY = {"loss_agg_mode": "token-mean", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2}
-GSPO_FAMILY = {"loss_agg_mode": "seq-mean-token-mean", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}
-EXPECTED = {  # recipe -> (loss_mode, family, bypass_mode)
-    "grpo": ("vanilla", GRPO_FAMILY, True),
-    "gspo": ("gspo", GSPO_FAMILY, True),
-    "dppo": ("dppo_tv", GRPO_FAMILY, True),
-    "tis": ("vanilla", GRPO_FAMILY, False),
-    "sat_grpo": ("sat", GRPO_FAMILY, True),
-    "sat_gspo": ("sat_gspo", GSPO_FAMILY, True),
-    "gspo_r3": ("gspo", GSPO_FAMILY, True),
-    "sat_grpo_r3": ("sat", GRPO_FAMILY, True),
-    "sat_gspo_r3": ("sat_gspo", GSPO_FAMILY, True),
-}
+ROWS = list(PAPER_TABLE_1)  # the 13 rows of Table 1
+RECIPES = [*ROWS, "tis"]
+LAGS = ["lag1", "lag8", "fixed8", "sync"]
+LOSS_MODE = {"grpo": "vanilla", "gspo": "gspo", "dppo": "dppo_tv", "sat_grpo": "sat", "sat_gspo": "sat_gspo"}
 SMALL_BATCH = [
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
     "data.train_batch_size=64",
     "actor_rollout_ref.rollout.name=sglang",
 ]
+# lag preset -> (parameter_sync_step, num_warmup_batches, max_off_policy_threshold); None: verl's own sync mode
+LAG_KEYS = {"lag1": (1, 1, 2), "lag8": (8, 1, 2), "fixed8": (1, 8, 9), "sync": None}
 
 
 def _config_name(recipe: str) -> str:
@@ -58,60 +50,90 @@ def _config_name(recipe: str) -> str:
 
 
 def compose_recipe(recipe: str, lag: str | None = None, *overrides: str, config_name: str | None = None):
-    args = [f"+recipe={recipe}", *([f"+lag={lag}"] if lag else []), *SMALL_BATCH, *overrides]
-    with initialize_config_module("verl.trainer.config", version_base=None):
-        return compose(config_name or _config_name(recipe), overrides=with_recipes_searchpath(args))
+    """What ``python -m verl_sat.main --config-name NAME +recipe=R +lag=L OVERRIDES`` composes."""
+    args = ["--config-name", config_name or _config_name(recipe), f"hydra.searchpath=[{RECIPES_SEARCHPATH}]",
+            f"+recipe={recipe}", *([f"+lag={lag}"] if lag else []), *SMALL_BATCH, *overrides]  # fmt: skip
+    return compose_from_args(args)
+
+
+def _family(recipe: str) -> str:
+    return recipe.removesuffix("_r3").removesuffix("_tis")
 
 
 @pytest.mark.parametrize("lag", [None, *LAGS])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_builds_verl_dataclasses(recipe, lag):
-    """Composed over verl's packaged config, verl's own dataclasses build from the result."""
+def test_recipe_builds_verl_dataclasses_with_the_papers_settings(recipe, lag):
+    """Composed over verl's packaged config, verl's own dataclasses build and carry Table 9's settings."""
     cfg = compose_recipe(recipe, lag)
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)  # via each node's _target_, as verl does
     algorithm = omega_conf_to_dataclass(cfg.algorithm)
     assert isinstance(rollout, RolloutConfig) and isinstance(algorithm, AlgoConfig)
-    loss_mode, family, bypass = EXPECTED[recipe]
-    assert actor.policy_loss.loss_mode == loss_mode
-    assert actor.loss_agg_mode == family["loss_agg_mode"]
-    assert actor.clip_ratio_low == family["clip_ratio_low"] and actor.clip_ratio_high == family["clip_ratio_high"]
+    family = _family("grpo_tis" if recipe == "tis" else recipe)
+    assert actor.policy_loss.loss_mode == LOSS_MODE[family]
+    assert actor.loss_agg_mode == "seq-mean-token-mean"  # one aggregation for every row
+    if family == "dppo":  # DPPO-TV: delta 1e-3, clip_ratio_c large
+        assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c) == (1e-3, 1e-3, 20.0)
+    else:  # (0.2, 0.2) for every family, GSPO included
+        assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.2, 0.2)
+    assert actor.use_kl_loss and actor.kl_loss_type == "low_var_kl" and actor.kl_loss_coef == 1e-3
+    assert actor.entropy_coeff == 0.0
+    assert actor.optim.lr == 1e-6 and tuple(actor.optim.betas) == (0.9, 0.98) and actor.optim.lr_warmup_steps_ratio == 0
+    assert (rollout.temperature, rollout.top_p, rollout.top_k, rollout.n) == (1.0, 1.0, -1, 16)
     assert algorithm.adv_estimator == "grpo"
-    assert algorithm.rollout_correction["bypass_mode"] is bypass  # a plain dict in AlgoConfig
-    assert isinstance(actor.policy_loss, SatPolicyLossConfig) == recipe.startswith("sat_")
-    if recipe.startswith("sat_"):
+    tis = "tis" in recipe
+    assert algorithm.rollout_correction["bypass_mode"] is not tis  # a plain dict in AlgoConfig
+    if tis:
+        assert algorithm.rollout_correction["rollout_is"] == "token"
+        assert algorithm.rollout_correction["rollout_is_threshold"] == 2.0
+    assert isinstance(actor.policy_loss, SatPolicyLossConfig) == family.startswith("sat_")
+    if family.startswith("sat_"):
         assert actor.policy_loss.sat == SatConfig()  # the paper's rule: the defaults
     r3 = recipe.endswith("_r3")
     assert rollout.enable_rollout_routing_replay is r3
     if r3:
         assert isinstance(actor, McoreActorConfig) and actor.megatron.router_replay.mode == "R3"
         assert cfg.actor_rollout_ref.ref.megatron.router_replay.mode == "disabled"  # never in the reference model
-    if recipe == "tis":
-        assert algorithm.rollout_correction["rollout_is"] == "token"
-        assert algorithm.rollout_correction["rollout_is_threshold"] == 2.0
-    check_config(cfg)  # the entry point's own checks pass
+    if lag is not None:
+        _assert_lag(cfg, lag)
+    assert check_config(cfg) == []  # the entry point's own checks pass, without warnings
 
 
-@pytest.mark.parametrize("lag,bound", [("lag1", 1), ("lag8", 8)])
-def test_lag_keys_bound_the_version_gap(lag, bound):
-    cfg = compose_recipe("sat_gspo", lag)
+def _assert_lag(cfg, lag: str) -> None:
     v1 = cfg.trainer.v1
-    assert cfg.trainer.use_v1 and v1.trainer_mode == "separate_async"
-    assert v1.sampler.max_off_policy_threshold == bound + 1  # span <= L + 1 versions, i.e. staleness <= L
-    assert v1.sampler.max_off_policy_strategy == "drop"
-    assert v1.separate_async.num_warmup_batches == bound
-    assert v1.separate_async.parameter_sync_step == 1
-    # verl's separate_async trainer asserts train_batch_size == parameter_sync_step * ppo_mini_batch_size
-    assert (
-        cfg.data.train_batch_size
-        == v1.separate_async.parameter_sync_step * cfg.actor_rollout_ref.actor.ppo_mini_batch_size
-    )
+    assert cfg.trainer.use_v1
+    if LAG_KEYS[lag] is None:
+        assert v1.trainer_mode == "sync"
+        return
+    sync_step, warmup, threshold = LAG_KEYS[lag]
+    assert v1.trainer_mode == "separate_async"
+    assert v1.separate_async.parameter_sync_step == sync_step
+    assert v1.separate_async.num_warmup_batches == warmup
+    assert v1.sampler.max_off_policy_threshold == threshold and v1.sampler.max_off_policy_strategy == "drop"
+    # verl's separate-async trainer asserts train_batch_size == parameter_sync_step * ppo_mini_batch_size
+    assert cfg.data.train_batch_size == sync_step * cfg.actor_rollout_ref.actor.ppo_mini_batch_size
     assert cfg.actor_rollout_ref.rollout.checkpoint_engine.backend != "naive"
 
 
-def test_sync_lag_is_the_synchronous_v1_trainer():
-    cfg = compose_recipe("grpo", "sync")
-    assert cfg.trainer.use_v1 and cfg.trainer.v1.trainer_mode == "sync"
+@pytest.mark.parametrize("lag", ["lag1", "lag8", "fixed8"])
+@pytest.mark.parametrize("batch", [64, 2048])
+def test_mini_batch_follows_the_train_batch_size(lag, batch):
+    """The lag presets keep verl's separate-async identity when the user overrides data.train_batch_size."""
+    cfg = compose_recipe("sat_gspo", lag, f"data.train_batch_size={batch}")
+    sync_step = cfg.trainer.v1.separate_async.parameter_sync_step
+    assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size * sync_step == batch
+    assert omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).ppo_mini_batch_size * sync_step == batch
+
+
+def test_a_batch_the_lag_does_not_divide_is_named():
+    cfg = compose_recipe("grpo", "lag8", "data.train_batch_size=100")
+    with pytest.raises(Exception, match=r"data.train_batch_size=100 must be a positive multiple of the lag n=8"):
+        cfg.actor_rollout_ref.actor.ppo_mini_batch_size  # noqa: B018  (resolving the interpolation raises)
+
+
+def test_gspo_radii_are_one_piece_away():
+    actor = compose_recipe("gspo", "lag1", "+radii=gspo").actor_rollout_ref.actor
+    assert (actor.clip_ratio_low, actor.clip_ratio_high) == (3e-4, 4e-4)
 
 
 def test_command_line_overrides_reach_the_dataclasses():
@@ -120,11 +142,11 @@ def test_command_line_overrides_reach_the_dataclasses():
         "lag8",
         "actor_rollout_ref.actor.clip_ratio_high=5e-4",
         "actor_rollout_ref.actor.policy_loss.sat.quantile=0.95",
-        "actor_rollout_ref.actor.policy_loss.sat.kernel_exponent=3",
+        "actor_rollout_ref.actor.policy_loss.sat.granularity=sequence_uniform",
     )
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert actor.clip_ratio_high == 5e-4
-    assert actor.policy_loss.sat.quantile == 0.95 and actor.policy_loss.sat.kernel_exponent == 3
+    assert actor.policy_loss.sat == SatConfig(quantile=0.95, granularity="sequence_uniform")
 
 
 def test_bad_override_fails_with_the_sat_config_error():
@@ -133,43 +155,211 @@ def test_bad_override_fails_with_the_sat_config_error():
         check_config(cfg)
 
 
-def test_megatron_r3_under_fsdp_stops_at_start():
-    cfg = compose_recipe("sat_gspo_r3", "lag8", config_name="ppo_trainer")
-    with pytest.raises(
-        PreflightError, match="Megatron routing replay .r3=megatron. but .*strategy='fsdp': add r3=fsdp"
-    ):
-        check_config(cfg)
+def test_legacy_trainer_with_bypass_is_refused():
+    with pytest.raises(PreflightError, match="legacy trainer replaces"):
+        check_config(compose_recipe("sat_grpo", None, "trainer.use_v1=false"))
 
 
-@pytest.mark.parametrize("recipe", ["gspo_r3", "sat_grpo_r3", "sat_gspo_r3"])
+# ---- R3 under FSDP: loud or absent --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", [r for r in ROWS if r.endswith("_r3")])
 def test_fsdp_r3_composes_and_builds(recipe):
-    """``r3=fsdp`` selects verl-sat's FSDP routing replay with verl's own EngineRouterReplayConfig."""
+    """``r3=fsdp`` selects verl-sat's FSDP routing replay through verl-sat's router-replay config (the same for the
+    recipes without a SAT ``_target_``); the reference model routes natively."""
     cfg = compose_recipe(recipe, "lag8", "r3=fsdp", config_name="ppo_trainer")
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    assert isinstance(actor.fsdp_config.router_replay, EngineRouterReplayConfig)
+    assert type(actor.fsdp_config.router_replay) is FSDPRouterReplayConfig
     assert actor.fsdp_config.router_replay.mode == "R3" and actor.engine.router_replay.mode == "R3"
     assert "megatron" not in cfg.actor_rollout_ref.actor
     assert (
         cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay and cfg.actor_rollout_ref.model.use_remove_padding
     )
-    assert "router_replay" not in cfg.actor_rollout_ref.ref.fsdp_config  # the reference model routes natively
-    check_config(cfg)
-    with initialize_config_module("verl.trainer.config", version_base=None):
-        base = compose("ppo_trainer", overrides=SMALL_BATCH)
-    keys = _flat_keys(OmegaConf.to_container(cfg, resolve=False))
-    added = keys - _flat_keys(OmegaConf.to_container(base, resolve=False))
-    added = {k for k in added if not k.startswith("actor_rollout_ref.actor.policy_loss.sat.")}
-    assert added == {  # the one deliberate addition: verl's FSDP yaml has no router_replay block
-        "actor_rollout_ref.actor.fsdp_config.router_replay._target_",
-        "actor_rollout_ref.actor.fsdp_config.router_replay.mode",
-    }
+    assert "router_replay" not in cfg.actor_rollout_ref.ref.fsdp_config
+    assert check_config(cfg) == []
 
 
-def test_fsdp_r3_without_replay_on_the_actor_is_refused():
-    cfg = compose_recipe("sat_gspo", "lag1", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
-                         config_name="ppo_trainer")  # fmt: skip
-    with pytest.raises(PreflightError, match=r"\+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3"):
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["+recipe=sat_gspo_r3"], r"Megatron routing replay \(r3=megatron\) but .*strategy='fsdp': add r3=fsdp"),
+        (["+recipe=gspo", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"],
+         r"the FSDP actor does not replay .*verl's FSDP engine ignores the routes\): add r3=fsdp"),
+        (["+recipe=gspo_r3", "r3=fsdp", "actor_rollout_ref.actor.fsdp_config.router_replay.mode=R2"],
+         r"router_replay: _target_='verl_sat.config.FSDPRouterReplayConfig', mode='R2'"),
+        (["+recipe=gspo_r3", "r3=fsdp", "actor_rollout_ref.actor.fsdp_config.router_replay._target_="
+          "verl.workers.config.EngineRouterReplayConfig"], r"_target_='verl.workers.config.EngineRouterReplayConfig'"),
+        (["+recipe=gspo_r3", "r3=fsdp", "actor_rollout_ref.actor.strategy=fsdp_turbo"],
+         r"actor_rollout_ref.actor.strategy='fsdp_turbo' has no routing replay"),
+        (["+recipe=gspo", "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3"],
+         r"router_replay.mode='R3' but the rollout returns no routes: set actor_rollout_ref.rollout."
+         "enable_rollout_routing_replay=true"),
+        (["+recipe=gspo_r3", "r3=fsdp", "actor_rollout_ref.model.use_remove_padding=false"],
+         r"needs actor_rollout_ref.model.use_remove_padding=true"),
+    ],
+)  # fmt: skip
+def test_r3_under_fsdp_that_cannot_replay_stops_at_start(overrides, message):
+    cfg = compose_from_args([f"hydra.searchpath=[{RECIPES_SEARCHPATH}]", "+lag=lag1", *SMALL_BATCH, *overrides])
+    with pytest.raises(PreflightError, match=message):
         check_config(cfg)
+
+
+def test_router_replay_config_refuses_other_modes_in_the_worker():
+    """Where the preflight does not run (verl's own entry point), the worker that builds the engine config fails."""
+    with pytest.raises(ValueError, match=r"fsdp_config.router_replay.mode='R2': .*\(R3\) only"):
+        FSDPRouterReplayConfig(mode="R2")
+
+
+def _python(code: str, *extra_path: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(extra_path)}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_non_r3_fsdp_job_is_unaffected(tmp_path):
+    """Installing verl-sat changes nothing in an FSDP job without R3: after ``import verl`` (which loads the plugin),
+    verl's engine module and verl's own config, the registry holds verl's engine class; asking for R3 is what
+    installs verl-sat's, and a second, non-R3 engine config in the same process leaves it as it is."""
+    proc = _python(
+        "import verl, verl_sat.plugin\n"
+        "from verl.workers.engine.base import EngineRegistry\n"
+        "from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead\n"
+        "from verl.workers.config import FSDPEngineConfig\n"
+        "from verl_sat.config import FSDPRouterReplayConfig\n"
+        "FSDPEngineConfig(strategy='fsdp2')\n"
+        "assert EngineRegistry.get_engine_cls('language_model', 'fsdp2') is FSDPEngineWithLMHead\n"
+        "FSDPRouterReplayConfig(mode='disabled')\n"
+        "assert EngineRegistry.get_engine_cls('language_model', 'fsdp2') is FSDPEngineWithLMHead\n"
+        "FSDPRouterReplayConfig(mode='R3')\n"
+        "print(EngineRegistry.get_engine_cls('language_model', 'fsdp2').__name__)\n"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("RoutingReplayFSDPEngine")
+
+
+def test_r3_with_another_fsdp_engine_fails_loudly():
+    proc = _python(
+        "import verl, verl_sat.plugin\n"
+        "from verl.workers.engine.base import EngineRegistry\n"
+        "from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead\n"
+        "class Other(FSDPEngineWithLMHead): pass\n"
+        "EngineRegistry._engines['language_model']['fsdp2']['cuda'] = Other\n"
+        "from verl_sat.config import FSDPRouterReplayConfig\n"
+        "FSDPRouterReplayConfig(mode='R3')\n"
+    )
+    assert proc.returncode != 0
+    assert "router_replay.mode=R3, but verl's fsdp2/cuda language-model engine is __main__.Other" in proc.stderr
+
+
+def test_r3_requested_on_fsdp_turbo_fails_in_the_engine():
+    proc = _python(
+        "import verl, verl_sat.plugin\n"
+        "from verl.workers.engine.base import EngineRegistry\n"
+        "from verl.workers.config import EngineRouterReplayConfig\n"
+        "from verl_sat.config import FSDPRouterReplayConfig\n"
+        "FSDPRouterReplayConfig(mode='R3')\n"
+        "cls = EngineRegistry._engines['language_model']['fsdp_turbo']['cuda']\n"
+        "class Config: router_replay = EngineRouterReplayConfig(mode='R3')\n"
+        "cls(model_config=None, engine_config=Config())\n"
+    )
+    assert proc.returncode != 0
+    assert "actor_rollout_ref.actor.strategy=fsdp_turbo has no routing replay" in proc.stderr
+
+
+def test_worker_without_verl_sat_fails_to_build_the_r3_config(tmp_path):
+    """A worker where verl-sat is missing cannot build the actor config of an FSDP R3 job: the error names the
+    target, where verl's own router-replay config would have run without replay."""
+    cfg = compose_recipe("gspo_r3", "lag1", "r3=fsdp", config_name="ppo_trainer")
+    node = OmegaConf.to_yaml(cfg.actor_rollout_ref.actor.fsdp_config.router_replay)
+    proc = _python(
+        "import sys\n"
+        "class NoVerlSat:  # as if verl-sat were not installed on this node\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'verl_sat': raise ModuleNotFoundError(f'No module named {name!r}')\n"
+        "sys.meta_path.insert(0, NoVerlSat())\n"
+        "from omegaconf import OmegaConf; from verl.utils.config import omega_conf_to_dataclass\n"
+        f"omega_conf_to_dataclass(OmegaConf.create({node!r}))\n"
+    )
+    assert proc.returncode != 0
+    assert "verl_sat.config.FSDPRouterReplayConfig" in proc.stderr
+
+
+# ---- the entry point -----------------------------------------------------------------------------------------------
+
+
+def _entry(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "verl_sat.main", *args], capture_output=True, text=True,
+                          timeout=600, cwd=cwd)  # fmt: skip
+
+
+def test_entry_point_cfg_job_for_every_lag():
+    """``--cfg job`` prints the composed config, runs the same checks as a real run and starts nothing."""
+    cases = [("sat_gspo", "lag1"), ("grpo", "lag8"), ("gspo_tis", "fixed8"), ("sat_grpo_r3", "sync")]
+
+    def run(case):
+        recipe, lag = case
+        return case, _entry("--config-name", _config_name(recipe), f"+recipe={recipe}", f"+lag={lag}", "--cfg", "job")
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(run, cases))
+    for (recipe, lag), proc in results:
+        assert proc.returncode == 0, f"{recipe}+{lag}: {proc.stderr[-2000:]}"
+        printed = OmegaConf.create(proc.stdout)
+        assert printed.actor_rollout_ref.actor.policy_loss.loss_mode == LOSS_MODE[_family(recipe)]
+        assert printed.trainer.v1.trainer_mode == ("sync" if lag == "sync" else "separate_async")
+
+
+def test_entry_point_cfg_job_runs_the_checks():
+    proc = _entry("+recipe=sat_gspo", "+lag=lag1", "actor_rollout_ref.actor.policy_loss.sat.quantile=2", "--cfg", "job")
+    assert proc.returncode == 1
+    assert "verl-sat: actor_rollout_ref.actor.policy_loss does not build" in proc.stderr
+    assert "sat.quantile=2 is invalid" in proc.stderr and "trainer:" not in proc.stdout
+
+
+def test_entry_point_composes_a_custom_config_path(tmp_path):
+    """A user's own config under ``--config-path`` (relative paths too) composes as verl's hydra.main composes it,
+    passes the preflight, and keeps its own search path in front of the recipes."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "my_trainer.yaml").write_text(
+        "defaults:\n  - ppo_trainer\n  - _self_\nhydra:\n  searchpath:\n    - pkg://verl.trainer.config\n"
+        "trainer:\n  project_name: my_project\n"
+    )
+    args = ["--config-name", "my_trainer", "+recipe=sat_gspo", "+lag=lag1", *SMALL_BATCH]
+    cfg = compose_from_args(with_recipes_searchpath(["--config-path", str(tmp_path / "conf"), *args]))
+    assert cfg.trainer.project_name == "my_project"
+    assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "sat_gspo"
+    assert check_config(cfg) == []
+    proc = _entry("-cp", str(tmp_path / "conf"), *args, "--cfg", "job", cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert OmegaConf.create(proc.stdout).trainer.project_name == "my_project"
+    proc = _entry("-cd", str(tmp_path / "conf"), *args, "--cfg", "job", cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert OmegaConf.create(proc.stdout).trainer.project_name == "my_project"
+
+
+def test_compose_equals_what_verl_prints():
+    """The preflight's composition is verl's: the job config equals ``python -m verl.trainer.main_ppo --cfg job``."""
+    args = ["hydra.searchpath=[pkg://verl_sat.recipes]", "+recipe=sat_gspo", "+lag=lag8", *SMALL_BATCH]
+    proc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *args, "--cfg", "job"],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ours = OmegaConf.to_container(compose_from_args(args))
+    del ours["hydra"]
+    assert ours == OmegaConf.to_container(OmegaConf.create(proc.stdout))
+
+
+def test_entry_point_unknown_recipe_lists_valid_names():
+    proc = _entry("+recipe=sat_gpso")
+    assert proc.returncode != 0
+    assert "Could not find 'recipe/sat_gpso'" in proc.stderr
+    for name in RECIPES:
+        assert f"\t{name}\n" in proc.stderr
+
+
+def test_entry_point_prints_the_micro_batch_warning():
+    proc = _entry("+recipe=sat_gspo", "+lag=lag1", *SMALL_BATCH,
+                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "--cfg", "job")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "verl-sat: warning: actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1" in proc.stderr
 
 
 @pytest.mark.parametrize(
@@ -195,25 +385,25 @@ def test_preflight_warns_when_the_micro_batch_cannot_gate(overrides, warned):
     else:
         assert len(warnings) == 1 and warned in warnings[0]
         assert "actor_rollout_ref.actor.use_dynamic_bsz=true" in warnings[0]
-    assert (
-        check_config(compose_recipe("sat_grpo", "lag1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1")) == []
-    )  # the token-level rule has many tokens in one sequence
+    token_rule = compose_recipe("sat_grpo", "lag1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1")
+    assert check_config(token_rule) == []  # the token-level rule has many tokens in one sequence
 
 
-def test_entry_point_prints_the_micro_batch_warning():
-    proc = subprocess.run(
-        [sys.executable, "-m", "verl_sat.main", "+recipe=sat_gspo", "+lag=lag1", *SMALL_BATCH,
-         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "--cfg", "job"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "verl-sat: warning: actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1" in proc.stderr
+def test_searchpath_goes_before_the_overrides_and_flags_first():
+    args = ["--config-name", "ppo_megatron_trainer", "+recipe=gspo_r3", "--cfg", "job", "trainer.total_epochs=2"]
+    assert with_recipes_searchpath(args) == [
+        "--config-name", "ppo_megatron_trainer", "--cfg", "job",
+        "hydra.searchpath=[pkg://verl_sat.recipes]", "+recipe=gspo_r3", "trainer.total_epochs=2",
+    ]  # fmt: skip
+    custom = ["+recipe=grpo", "hydra.searchpath=[pkg://my.recipes]"]
+    assert with_recipes_searchpath(custom) == [
+        "hydra.searchpath=[pkg://my.recipes,pkg://verl_sat.recipes]",
+        "+recipe=grpo",
+    ]
+    assert split_args(["-cp", "x", "a=1"]) == (["-cp", "x"], ["a=1"])
 
 
-def test_legacy_trainer_with_bypass_is_refused():
-    cfg = compose_recipe("sat_grpo", None, "trainer.use_v1=false")
-    with pytest.raises(PreflightError, match="legacy trainer replaces"):
-        check_config(cfg)
+# ---- the catalog, the wheel, the examples ---------------------------------------------------------------------------
 
 
 def _flat_keys(node: dict, prefix: str = "") -> set[str]:
@@ -226,62 +416,49 @@ def _flat_keys(node: dict, prefix: str = "") -> set[str]:
     return keys
 
 
+def _job_keys(cfg) -> set[str]:
+    container = OmegaConf.to_container(cfg, resolve=False)
+    container.pop("hydra", None)
+    return _flat_keys(container)
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipes_only_set_keys_verl_defines(recipe):
-    """Every key a recipe (with any lag) sets exists in verl's own config, except the deliberate `sat` block."""
-    with initialize_config_module("verl.trainer.config", version_base=None):
-        base = compose(_config_name(recipe), overrides=SMALL_BATCH)
-    base_keys = _flat_keys(OmegaConf.to_container(base, resolve=False))
+    """Every key a recipe (with any lag) sets exists in verl's own config, except the deliberate `sat` block and,
+    for r3=fsdp, the router_replay block verl's FSDP yaml lacks."""
+    base_keys = _job_keys(compose_from_args(["--config-name", _config_name(recipe), *SMALL_BATCH]))
     for lag in LAGS:
-        keys = _flat_keys(OmegaConf.to_container(compose_recipe(recipe, lag), resolve=False))
-        added = sorted(k for k in keys - base_keys if not k.startswith("actor_rollout_ref.actor.policy_loss.sat."))
+        added = sorted(k for k in _job_keys(compose_recipe(recipe, lag)) - base_keys
+                       if not k.startswith("actor_rollout_ref.actor.policy_loss.sat."))  # fmt: skip
         assert added == [], f"{recipe}+{lag} adds keys verl does not define: {added}"
+    if recipe.endswith("_r3"):
+        keys = _job_keys(compose_recipe(recipe, "lag1", "r3=fsdp", config_name="ppo_trainer"))
+        added = {k for k in keys - _job_keys(compose_from_args(SMALL_BATCH))
+                 if not k.startswith("actor_rollout_ref.actor.policy_loss.sat.")}  # fmt: skip
+        assert added == {
+            "actor_rollout_ref.actor.fsdp_config.router_replay._target_",
+            "actor_rollout_ref.actor.fsdp_config.router_replay.mode",
+        }
 
 
-def _entry(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "verl_sat.main", *args], capture_output=True, text=True, timeout=600)
-
-
-def test_entry_point_cfg_job_for_every_recipe_and_lag():
-    """``python -m verl_sat.main +recipe=R +lag=L --cfg job`` prints the composed config and starts nothing."""
-    cases = [(recipe, lag) for recipe in RECIPES for lag in LAGS]
-
-    def run(case):
-        recipe, lag = case
-        extra = ["--config-name", "ppo_megatron_trainer"] if recipe.endswith("_r3") else []
-        return case, _entry(*extra, f"+recipe={recipe}", f"+lag={lag}", "--cfg", "job")
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(run, cases))
-    for (recipe, lag), proc in results:
-        assert proc.returncode == 0, f"{recipe}+{lag}: {proc.stderr[-2000:]}"
-        printed = OmegaConf.create(proc.stdout)
-        assert printed.actor_rollout_ref.actor.policy_loss.loss_mode == EXPECTED[recipe][0]
-        assert printed.trainer.v1.trainer_mode == ("sync" if lag == "sync" else "separate_async")
-
-
-def test_entry_point_unknown_recipe_lists_valid_names():
-    proc = _entry("+recipe=sat_gpso")
-    assert proc.returncode != 0
-    assert "Could not find 'recipe/sat_gpso'" in proc.stderr
-    for name in RECIPES:
-        assert f"\t{name}\n" in proc.stderr
-
-
-def test_entry_point_reports_bad_value_before_ray():
-    proc = _entry("+recipe=sat_gspo", "+lag=lag8", "actor_rollout_ref.actor.policy_loss.sat.kernel=gauss")
-    assert proc.returncode == 1
-    assert "verl-sat: actor_rollout_ref.actor.policy_loss does not build" in proc.stderr
-    assert "sat.kernel='gauss' is invalid" in proc.stderr
-    assert "ray" not in proc.stderr.lower()
-
-
-def test_recipes_command_lists_every_recipe_and_lag():
+def test_recipes_command_lists_every_row_with_the_papers_numbers():
     proc = subprocess.run([sys.executable, "-m", "verl_sat.cli", "recipes"], capture_output=True, text=True)
     assert proc.returncode == 0
-    listed = {line.split()[0] for line in proc.stdout.splitlines() if line.startswith("  ")}
-    assert listed == set(RECIPES) | set(LAGS)
-    assert all(describe("recipe").values())
+    sections, current = {}, None
+    for line in proc.stdout.splitlines():
+        if line.startswith("  "):
+            sections[current][line.split()[0]] = line
+        else:
+            current = line.split()[0]
+            sections[current] = {}
+    assert list(sections) == ["+recipe=NAME", "+lag=NAME", "+radii=NAME", "r3=NAME"]
+    assert set(sections["+recipe=NAME"]) == set(RECIPES) and set(sections["+lag=NAME"]) == set(LAGS)
+    assert set(sections["r3=NAME"]) == {"fsdp", "megatron"} and set(sections["+radii=NAME"]) == {"gspo"}
+    lines = sections["+recipe=NAME"]
+    for name, row in PAPER_TABLE_1.items():
+        assert f"{row.lag1:.2f} / {row.lag8:.2f}" in lines[name]
+    assert "(collapses)" in lines["grpo"] and "(collapses)" not in lines["sat_gspo"]
+    assert len(ROWS) == 13 and all(describe("recipe").values())
 
 
 def test_wheel_ships_the_recipes(tmp_path):
@@ -293,40 +470,36 @@ def test_wheel_ships_the_recipes(tmp_path):
     )
     (wheel,) = tmp_path.glob("verl_sat-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for recipe in RECIPES:
-        assert f"verl_sat/recipes/recipe/{recipe}.yaml" in names
-    for lag in LAGS:
-        assert f"verl_sat/recipes/lag/{lag}.yaml" in names
-    assert "verl_sat/recipes/r3/megatron.yaml" in names and "verl_sat/recipes/r3/fsdp.yaml" in names
-    assert "verl_sat/recipes/embedded/default.yaml" in names  # the embedded engine's defaults
-
-
-def test_searchpath_goes_before_the_overrides_and_flags_first():
-    args = ["--config-name", "ppo_megatron_trainer", "+recipe=gspo_r3", "--cfg", "job", "trainer.total_epochs=2"]
-    assert with_recipes_searchpath(args) == [
-        "--config-name", "ppo_megatron_trainer", "--cfg", "job",
-        "hydra.searchpath=[pkg://verl_sat.recipes]", "+recipe=gspo_r3", "trainer.total_epochs=2",
-    ]  # fmt: skip
-    custom = ["+recipe=grpo", "hydra.searchpath=[pkg://my.recipes]"]
-    assert with_recipes_searchpath(custom) == custom
+    shipped = {
+        "recipe": RECIPES, "lag": LAGS, "r3": ["megatron", "fsdp"], "paper": ["table9"], "correction": ["tis"],
+        "method": list(LOSS_MODE), "radii": ["gspo"], "embedded": ["default"],
+    }  # fmt: skip
+    for group, entries in shipped.items():
+        for entry in entries:
+            assert f"verl_sat/recipes/{group}/{entry}.yaml" in names, (group, entry)
 
 
 @pytest.mark.parametrize(
-    "script,loss_mode,threshold,r3",
+    "script,env,loss_mode,sync_step,batch",
     [
-        ("run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh", "sat_gspo", 9, True),
-        ("run_qwen2_5_7b_sat_grpo_fsdp.sh", "sat", 2, False),
+        ("run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh", {}, "sat_gspo", 8, 2048),
+        ("run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh", {"RECIPE": "gspo_tis_r3", "LAG": "1"}, "gspo", 1, 256),
+        ("run_qwen2_5_7b_sat_grpo_fsdp.sh", {}, "sat", 1, 64),
+        ("run_qwen2_5_7b_sat_grpo_fsdp.sh", {"RECIPE": "dppo", "LAG": "8"}, "dppo_tv", 8, 512),
     ],
 )
-def test_example_scripts_compose(script, loss_mode, threshold, r3, tmp_path):
-    """Every override in the example launch scripts is a key verl 0.9.1 knows (``--cfg job`` passed through)."""
+def test_example_scripts_compose(script, env, loss_mode, sync_step, batch, tmp_path):
+    """Every override in the example launch scripts is a key verl 0.9.1 knows and the checks pass (``--cfg job``);
+    the paper's optimizer step (prompts per optimizer step) is kept at every lag."""
     root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True).stdout.strip()
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}", **env}
     proc = subprocess.run(
         ["bash", f"{root}/examples/{script}", "--cfg", "job"], capture_output=True, text=True, env=env, cwd=tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "warning" not in proc.stderr
     printed = OmegaConf.create(proc.stdout)
     assert printed.actor_rollout_ref.actor.policy_loss.loss_mode == loss_mode
-    assert printed.trainer.v1.sampler.max_off_policy_threshold == threshold
-    assert printed.actor_rollout_ref.rollout.enable_rollout_routing_replay is r3
+    assert printed.trainer.v1.separate_async.parameter_sync_step == sync_step
+    assert printed.data.train_batch_size == batch
+    assert printed.actor_rollout_ref.actor.use_dynamic_bsz
