@@ -11,12 +11,13 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""avg@k on the test split: k responses per problem (``rollout.val_kwargs``), scored by verl's reward functions;
-the accuracy is the mean score (the paper's AIME24 avg@8 at this scale)."""
+"""avg@k on a split: k responses per problem (``rollout.val_kwargs``), scored by verl's reward functions; the
+accuracy is the mean score (the paper's AIME24 avg@k at this scale). Sampling draws from the generator it is given."""
 
 import torch
 
-from verl_sat.embedded.rollout import PromptSet, sample, score
+from verl_sat.embedded.decode import generate
+from verl_sat.embedded.rollout import PromptSet, score
 
 
 @torch.no_grad()
@@ -27,21 +28,19 @@ def avg_at_k(
     k: int,
     max_new_tokens: int,
     temperature: float,
-    do_sample: bool,
-    seed: int,
+    generator: torch.Generator | None,
     chunk: int = 1024,
 ) -> float:
-    """Mean verl score over ``k`` responses to each of the split's prompts (``k = 1`` when decoding greedily)."""
+    """Mean verl score over ``k`` sampled responses to each prompt of the split, or of one greedy response each
+    (``generator=None``)."""
     was_training = model.training
     model.eval()
-    torch.manual_seed(seed)
-    index = [i for i in range(len(prompts)) for _ in range(k if do_sample else 1)]
+    index = [i for i in range(len(prompts)) for _ in range(k if generator is not None else 1)]
     total = 0.0
     for start in range(0, len(index), chunk):
         part = index[start : start + chunk]
-        ids, _, prompt_len = sample(
-            model, tokenizer, [prompts.prompt_ids[i] for i in part], max_new_tokens, temperature, do_sample
-        )
-        total += float(score(tokenizer, ids.cpu(), prompt_len, prompts, part).sum())
+        out = generate(model, [prompts.prompt_ids[i] for i in part], tokenizer.pad_token_id, tokenizer.eos_token_id,
+                       max_new_tokens, temperature, generator=generator)  # fmt: skip
+        total += float(score(tokenizer, out.input_ids.cpu(), out.prompt_len, prompts, part).sum())
     model.train(was_training)
     return total / len(index)

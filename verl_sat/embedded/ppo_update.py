@@ -11,21 +11,48 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""One trainer step of the embedded engine with verl's pieces: the registered advantage estimator, the registered
-policy loss (``get_policy_loss_fn``) aggregated with the global mini-batch sizes (``global_batch_info``, as verl's
-``ppo_loss`` sets them), mini-batches, micro-batches and epochs from ``ActorConfig``, and R3 replay."""
+"""One trainer step of the embedded engine, as verl's v1 trainer runs it, with verl's pieces.
+
+Before any update (no grad): the reference policy's log-probs for the KL loss, ``old_log_prob`` (the rollout's mu in
+bypass mode; in decoupled mode the trainer's own log-probs at the start of the sync cycle, with IS weights from
+verl's rollout-correction helper), and π(ℓ) for the staleness attribution. Then the batch is trained as
+``parameter_sync_step`` chunks of whole GRPO groups; each chunk runs ``ppo_epochs`` passes over its mini-batches,
+one optimizer step each, micro-batches accumulated. The loss is verl's ``ppo_loss`` (the registered policy loss,
+entropy and KL terms, global batch sizes), fed the packed per-token outputs verl's engine produces. A non-finite
+gradient norm skips the optimizer step, as verl's engine does.
+"""
 
 import inspect
+import time
 from collections import defaultdict
+from dataclasses import dataclass
 
+import numpy as np
 import torch
+from tensordict import TensorDict
 from verl.trainer.config import AlgoConfig
-from verl.trainer.ppo.core_algos import get_adv_estimator_fn, get_policy_loss_fn
-from verl.utils.torch_functional import masked_sum
+from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+from verl.utils import tensordict_utils as tu
+from verl.utils.metric.utils import Metric
+from verl.utils.torch_functional import entropy_from_logits
 from verl.workers.config import ActorConfig
+from verl.workers.utils.losses import ppo_loss
 
-from verl_sat.embedded.rollout import RolloutBatch, position_ids, response_log_probs
+from verl_sat.config import resolve_sat_config
+from verl_sat.embedded.attribution import StalenessSplit, sat_gate
+from verl_sat.embedded.decode import position_ids, response_log_probs
+from verl_sat.embedded.rollout import RolloutBatch
+from verl_sat.embedded.run_files import MISMATCH
 from verl_sat.routing_replay import RoutingReplay
+
+
+@dataclass
+class Policy:
+    """A model and, for R3 recipes, the replay hooks attached to it."""
+
+    model: torch.nn.Module
+    routing: RoutingReplay | None = None
 
 
 def advantages(batch: RolloutBatch, algo: AlgoConfig) -> torch.Tensor:
@@ -40,81 +67,171 @@ def advantages(batch: RolloutBatch, algo: AlgoConfig) -> torch.Tensor:
     return estimator(**kwargs)[0]
 
 
-def micro_log_probs(
-    model, batch: RolloutBatch, rows: torch.Tensor, temperature: float, routing: RoutingReplay | None
-) -> torch.Tensor:
-    """``[n, R]`` trainer log-probs of the sampled tokens for ``rows``, replaying the rollout's routes if R3."""
-    device = next(model.parameters()).device
+def forward(policy: Policy, batch: RolloutBatch, rows: torch.Tensor, temperature: float, with_entropy: bool = False):
+    """``[n, R]`` log-probs of the sampled tokens for ``rows`` under ``logits / temperature`` (and their entropy),
+    replaying the rollout's routes for R3."""
+    device = next(policy.model.parameters()).device
     ids, mask = batch.input_ids[rows].to(device), batch.attention_mask[rows].to(device)
-    forward = dict(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask))
-    if routing is None:
-        logits = model(**forward).logits
+    inputs = dict(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask))
+    if policy.routing is None:
+        logits = policy.model(**inputs).logits
     else:
-        with routing.replay(batch.routed_experts[rows].to(device)):
-            logits = model(**forward).logits
-    return response_log_probs(logits, ids, ids.shape[1] - batch.response_mask.shape[1], temperature)
+        with policy.routing.replay(batch.routed_experts[rows].to(device)):
+            logits = policy.model(**inputs).logits
+    prompt_len = batch.prompt_len
+    log_prob = response_log_probs(logits, ids, prompt_len, temperature)
+    entropy = entropy_from_logits(logits[:, prompt_len - 1 : -1].float() / temperature) if with_entropy else None
+    return log_prob, entropy
 
 
-def ppo_update(
-    model,
-    optimizer,
+@torch.no_grad()
+def batch_log_probs(policy: Policy, batch: RolloutBatch, temperature: float, micro: int) -> torch.Tensor:
+    """``[N, R]`` log-probs of the whole batch, micro-batch by micro-batch (no grad)."""
+    rows = torch.arange(batch.input_ids.shape[0])
+    return torch.cat([forward(policy, batch, part, temperature)[0].cpu() for part in rows.split(micro)])
+
+
+def pack(values: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Per-response-token ``values`` ``[n, R]`` laid out as verl's engine returns model outputs: one packed row of
+    all valid tokens, the value of response token j at the position of the token before it."""
+    full = torch.zeros(attention_mask.shape, dtype=values.dtype, device=values.device)
+    full = torch.cat([full[:, : prompt_len - 1], values, full[:, -1:]], dim=1)
+    return full[attention_mask.to(values.device).bool()]
+
+
+def micro_batch_loss(
+    actor: ActorConfig,
+    log_prob: torch.Tensor,
+    entropy: torch.Tensor | None,
+    fields: dict[str, torch.Tensor],
+    batch_info: dict,
+    prompt_len: int,
+) -> tuple[torch.Tensor, dict]:
+    """verl's ``ppo_loss`` on one micro-batch: ``fields`` are the padded ``[n, ...]`` tensors verl's engine hands it
+    (prompts, responses, attention and response masks, old log-probs, advantages, optionally ``ref_log_prob`` and
+    ``rollout_is_weights``), ``batch_info`` the mini-batch's global sizes; ``log_prob`` / ``entropy`` ``[n, R]`` go
+    in packed, as the engine's model output."""
+    device = log_prob.device
+    data = TensorDict({key: value.to(device) for key, value in fields.items()}, batch_size=[log_prob.shape[0]])
+    tu.assign_non_tensor(data, **batch_info)
+    attention = fields["attention_mask"]
+    output = {"log_probs": pack(log_prob, attention, prompt_len)}
+    if entropy is not None:
+        output["entropy"] = pack(entropy, attention, prompt_len)
+    return ppo_loss(actor, output, data)
+
+
+def _value(metric) -> float:
+    return float(metric.aggregate()) if isinstance(metric, Metric) else float(metric)
+
+
+def train_step(
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
     batch: RolloutBatch,
     actor: ActorConfig,
     algo: AlgoConfig,
-    n: int,
-    temperature: float,
-    routing: RoutingReplay | None,
-    generator: torch.Generator,
-) -> dict[str, float]:
-    """Epochs x mini-batches of optimizer steps on ``batch``; returns the step's metrics (micro-batch means; the
-    mismatch is the mean |log_prob - old_log_prob| of the last epoch)."""
-    device = next(model.parameters()).device
+    settings,
+    shuffle_generator: torch.Generator,
+    reference: Policy | None,
+    at_version: Policy,
+) -> dict:
+    """Train one batch; returns the step's metrics (per optimizer step averages, the last epoch's mismatch and
+    attribution, the optimizer steps skipped for a non-finite gradient)."""
+    temperature, micro = settings.temperature, actor.ppo_micro_batch_size_per_gpu or batch.input_ids.shape[0]
     adv = advantages(batch, algo)
-    loss_fn = get_policy_loss_fn(actor.policy_loss.get("loss_mode", "vanilla"))
-    num = batch.input_ids.shape[0]
-    mini = actor.ppo_mini_batch_size * n
-    micro = actor.ppo_micro_batch_size_per_gpu or mini
-    sums, counts = defaultdict(float), defaultdict(int)
-    mismatch_sum, mismatch_tokens = 0.0, 0
-    for epoch in range(actor.ppo_epochs):
-        order = torch.randperm(num, generator=generator) if actor.shuffle else torch.arange(num)
-        last_epoch = epoch == actor.ppo_epochs - 1
-        for mini_rows in order.split(mini):
-            optimizer.zero_grad(set_to_none=True)
-            response_mask = batch.response_mask[mini_rows]
-            actor.global_batch_info.update(
-                dp_size=1,
-                batch_num_tokens=int(response_mask.sum()),
-                global_batch_size=len(mini_rows),
-                loss_scale_factor=actor.loss_scale_factor,
-            )
-            mini_loss = 0.0
-            for rows in mini_rows.split(micro):
-                mask = batch.response_mask[rows].to(device)
-                log_prob = micro_log_probs(model, batch, rows, temperature, routing)
-                old_log_prob = batch.old_log_prob[rows].to(device)
-                loss, metrics = loss_fn(
-                    old_log_prob=old_log_prob,
-                    log_prob=log_prob,
-                    advantages=adv[rows].to(device),
-                    response_mask=mask,
-                    loss_agg_mode=actor.loss_agg_mode,
-                    config=actor,
-                    rollout_is_weights=None,
-                )
-                loss.backward()
-                mini_loss += float(loss.detach())  # micro-batch losses are scaled to sum to the mini-batch loss
-                for key, value in {**metrics, **(routing.replay_metrics() if routing else {})}.items():
-                    sums[key] += float(value)
-                    counts[key] += 1
-                if last_epoch:
-                    mismatch_sum += float(masked_sum((log_prob.detach() - old_log_prob).abs(), mask))
-                    mismatch_tokens += int(mask.sum())
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), actor.optim.clip_grad)
-            for key, value in (("actor/pg_loss", mini_loss), ("actor/grad_norm", float(grad_norm))):
-                sums[key] += value
-                counts[key] += 1
-            optimizer.step()
-    out = {key: sums[key] / counts[key] for key in sums}
-    out["actor/mismatch_abs_log_ratio"] = mismatch_sum / max(mismatch_tokens, 1)
+    mask = batch.response_mask.clone()
+    rollout = batch.rollout_log_prob
+    metrics_in: dict[str, list] = defaultdict(list)
+    step_metrics: dict[str, float] = {}
+
+    start = time.perf_counter()
+    trainer_at_version = batch_log_probs(at_version, batch, temperature, micro)  # pi(l) of Eq. 2: the attribution
+    step_metrics["timing/attribution_s"] = time.perf_counter() - start
+    ref_log_prob = batch_log_probs(reference, batch, temperature, micro) if reference is not None else None
+    is_weights = None
+    if settings.bypass_mode:
+        old_log_prob = rollout
+    else:  # decoupled: pi_old is the trainer at the start of the sync cycle, the rollout enters through IS weights
+        old_log_prob = batch_log_probs(policy, batch, temperature, micro)
+        weights, mask, correction = compute_rollout_correction_and_rejection_mask(
+            old_log_prob=old_log_prob, rollout_log_prob=rollout, response_mask=mask, **settings.rollout_correction
+        )
+        is_weights = None if weights is None else weights.batch["rollout_is_weights"]
+        step_metrics.update(correction)
+
+    loss_mode = actor.policy_loss.get("loss_mode", "vanilla")
+    sat = resolve_sat_config(actor.policy_loss) if loss_mode in ("sat", "sat_gspo") else None
+    clip_low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
+    clip_high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
+    split, mismatch_sum, mismatch_tokens = StalenessSplit(), 0.0, 0
+    skipped, grad_norms = 0, []
+    prompts = batch.input_ids.shape[0] // settings.n
+    chunks = torch.arange(batch.input_ids.shape[0]).split(prompts // settings.sync_steps * settings.n)
+    mini = actor.ppo_mini_batch_size * settings.n  # verl counts prompts; rows are prompts x rollout.n
+    with_entropy = actor.entropy_coeff != 0
+    for chunk in chunks:
+        for epoch in range(actor.ppo_epochs):
+            last_epoch = epoch == actor.ppo_epochs - 1
+            order = chunk[torch.randperm(len(chunk), generator=shuffle_generator)] if actor.shuffle else chunk
+            for mini_rows in order.split(mini):
+                optimizer.zero_grad(set_to_none=True)
+                info = dict(dp_size=1, batch_num_tokens=int(mask[mini_rows].sum()), global_batch_size=len(mini_rows))
+                mini_metrics: dict[str, list] = defaultdict(list)
+                for rows in mini_rows.split(micro):
+                    log_prob, entropy = forward(policy, batch, rows, temperature, with_entropy)
+                    fields = {
+                        "prompts": batch.input_ids[rows, : batch.prompt_len],
+                        "responses": batch.input_ids[rows, batch.prompt_len :],
+                        "attention_mask": batch.attention_mask[rows].long(),
+                        "response_mask": mask[rows].long(),
+                        "old_log_probs": old_log_prob[rows],
+                        "advantages": adv[rows],
+                    }
+                    if ref_log_prob is not None:
+                        fields["ref_log_prob"] = ref_log_prob[rows]
+                    if is_weights is not None:
+                        fields["rollout_is_weights"] = is_weights[rows]
+                    loss, metrics = micro_batch_loss(actor, log_prob, entropy, fields, info, batch.prompt_len)
+                    loss.backward()
+                    for key, value in metrics.items():
+                        mini_metrics[key].append(value)  # a Metric holds floats (it detaches on append)
+                    if policy.routing is not None:
+                        for key, value in policy.routing.replay_metrics().items():
+                            mini_metrics[key].append(value)
+                    if last_epoch:
+                        active = mask[rows]
+                        detached = log_prob.detach().cpu()
+                        gated = sat_gate(loss_mode, sat, detached, old_log_prob[rows], adv[rows], active, clip_low,
+                                         clip_high)  # fmt: skip
+                        split.add(detached, trainer_at_version[rows], rollout[rows], active, gated)
+                        mismatch_sum += float((detached - rollout[rows]).abs()[active].sum())
+                        mismatch_tokens += int(active.sum())
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), actor.optim.clip_grad)
+                if torch.isfinite(grad_norm):
+                    optimizer.step()
+                else:  # as verl's FSDP engine: a non-finite gradient skips the update
+                    optimizer.zero_grad(set_to_none=True)
+                    skipped += 1
+                grad_norms.append(float(grad_norm))
+                for key, values in mini_metrics.items():
+                    metrics_in[key].append(_merge(values))
+    out = {key: float(np.mean(values)) for key, values in metrics_in.items()}
+    out.update(step_metrics)
+    out["actor/grad_norm"] = float(np.mean(grad_norms))
+    out["actor/optimizer_steps"] = len(grad_norms)
+    out["actor/skipped_optimizer_steps"] = skipped
+    out[MISMATCH] = mismatch_sum / max(mismatch_tokens, 1)
+    out.update(split.metrics())
     return out
+
+
+def _merge(values: list) -> float:
+    """One optimizer step's value of a metric from its micro-batches, aggregated as verl's ``Metric`` says (the
+    policy loss sums, ratios average); plain numbers average."""
+    if isinstance(values[0], Metric):
+        merged = Metric(values[0].aggregation)
+        for value in values:
+            merged.extend(value)
+        return _value(merged)
+    return float(np.mean(values))
