@@ -14,11 +14,12 @@
 """``verl-sat prepare``: everything the embedded engine needs, built offline and deterministically for a seed.
 
     DIR/model/            Qwen3-MoE policy + character tokenizer (save_pretrained; verl and transformers load it)
-    DIR/data/train.parquet, DIR/data/test.parquet     verl's RL parquet format, scored by verl's GSM8K scorer
-    DIR/prepare.json      what was built: seed, sizes, warm-start losses, greedy test accuracy
+    DIR/data/{train,val,test}.parquet   verl's RL parquet format, scored by verl's GSM8K scorer
+    DIR/prepare.json      what was built: seed, sizes, band, warm-start steps and evaluations, accuracies
 
-The folder is built under ``DIR/.prepare-tmp`` and renamed into place at the end, so an interrupted run leaves
-nothing half-written.
+The warm start stops when greedy accuracy on the validation split lands in the target band (``--band``), so RL
+starts with headroom on any machine. The folder is built under ``DIR/.prepare-tmp`` and renamed into place at the
+end, so an interrupted run leaves nothing half-written.
 """
 
 import json
@@ -30,20 +31,22 @@ import pandas as pd
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from verl_sat.embedded.task import make_problems, to_verl_rows
+from verl_sat.embedded.task import SPLITS, make_problems, to_verl_rows
 from verl_sat.embedded.tokenizer import build_char_tokenizer
-from verl_sat.embedded.warm_start import greedy_accuracy, warm_start
+from verl_sat.embedded.warm_start import greedy_accuracy, prompt_set, warm_start
 
 MANIFEST = "prepare.json"
-FORMAT = 1  # bump when the files change meaning; `verl-sat train` refuses a workdir of another format
+FORMAT = 2  # bump when the files change meaning; `verl-sat train` refuses a workdir of another format
+DEFAULT_BAND = (0.30, 0.45)  # greedy validation accuracy after the warm start: headroom for RL
 
 
 class WorkdirError(RuntimeError):
     """A workdir that `verl-sat train` cannot use; the message says which `verl-sat prepare` command to run."""
 
 
-def check_prepared(workdir: str | Path) -> dict:
-    """The manifest of a prepared, current workdir, or ``WorkdirError`` naming the command that fixes it."""
+def check_prepared(workdir: str | Path, band: tuple[float, float] | None = None) -> dict:
+    """The manifest of a prepared, current workdir (warm-started into ``band``, when given), or ``WorkdirError``
+    naming the command that fixes it."""
     workdir = Path(workdir)
     command = f"verl-sat prepare --workdir {workdir}"
     manifest_path = workdir / MANIFEST
@@ -55,28 +58,34 @@ def check_prepared(workdir: str | Path) -> dict:
             f"{workdir} was prepared by another verl-sat version (format {manifest.get('format')}, this one reads "
             f"{FORMAT}): run `{command}` again"
         )
-    missing = [name for name in ("model/config.json", "data/train.parquet", "data/test.parquet")
+    missing = [name for name in ("model/config.json", *(f"data/{split}.parquet" for split in SPLITS))
                if not (workdir / name).is_file()]  # fmt: skip
     if missing:
         raise WorkdirError(f"{workdir} is incomplete (missing {', '.join(missing)}): run `{command}` again")
+    if band is not None and tuple(manifest["band"]) != tuple(band):
+        raise WorkdirError(f"{workdir} was warm-started into the band {manifest['band']}, not {list(band)}")
     return manifest
 
 
 @dataclass(frozen=True)
 class PrepareSpec:
-    """Sizes of the task, the policy and the warm start. Defaults: about 3 minutes on a 2-core CPU, greedy test
-    accuracy 0 -> 0.585 measured (the warm start stops on the steep part of the curve on purpose: RL starts from
-    partial accuracy)."""
+    """Sizes of the task, the policy and the warm start. Defaults: three-digit addition (carries), a 4-layer
+    8-expert Qwen3-MoE of 1.8M parameters, warm-started into the band in a few minutes on a 2-core CPU."""
 
-    max_operand: int = 49  # problems a + b with a, b in [0, max_operand]
-    num_test: int = 200  # held-out problems (never trained on)
+    max_operand: int = 999  # operands in [0, max_operand]
+    num_terms: int = 2  # operands per problem
+    num_train: int = 20_000  # RL prompts and warm-start examples
+    num_val: int = 200  # the warm start's stopping split (never trained on)
+    num_test: int = 200  # RL's evaluation split (never trained on)
+    max_response_length: int = 10  # "#### 1998" plus eos is 10 tokens
     hidden_size: int = 128
     num_layers: int = 4
     num_experts: int = 8
     top_k: int = 2
-    warm_start_steps: int = 1000
     warm_start_batch: int = 64
     warm_start_lr: float = 1e-3
+    warm_start_eval_every: int = 100  # steps between validation evaluations (halved after an overshoot)
+    warm_start_max_steps: int = 20_000
 
 
 def build_policy(vocab_size: int, pad_id: int, eos_id: int, spec: PrepareSpec) -> Qwen3MoeForCausalLM:
@@ -90,36 +99,53 @@ def build_policy(vocab_size: int, pad_id: int, eos_id: int, spec: PrepareSpec) -
     return Qwen3MoeForCausalLM(config)
 
 
-def prepare(workdir: str | Path, seed: int = 0, spec: PrepareSpec = PrepareSpec()) -> dict:
-    """Build tokenizer, policy, data and warm start into ``workdir``; return the manifest."""
+def prepare(
+    workdir: str | Path,
+    seed: int = 0,
+    spec: PrepareSpec = PrepareSpec(),
+    band: tuple[float, float] = DEFAULT_BAND,
+    progress: bool = True,
+) -> dict:
+    """Build tokenizer, policy, data and warm start into ``workdir``; return the manifest. Raises
+    ``warm_start.BandMissed`` (and writes nothing) if the warm start cannot land in ``band``."""
+    low, high = band
+    if not 0.0 <= low <= high <= 1.0:
+        raise ValueError(f"--band {low},{high}: expected 0 <= low <= high <= 1")
     workdir = Path(workdir)
     tmp = workdir / ".prepare-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "data").mkdir(parents=True)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # the initial weights (prepare is single-threaded; training runs draw from generators)
 
-    train, test = make_problems(seed, spec.max_operand, spec.num_test)
-    tokenizer = build_char_tokenizer([p.question + p.solution() for p in train + test])
+    problems = make_problems(seed, spec.max_operand, spec.num_terms,
+                             {"train": spec.num_train, "val": spec.num_val, "test": spec.num_test})  # fmt: skip
+    tokenizer = build_char_tokenizer([p.question + p.solution() for split in problems.values() for p in split])
     model = build_policy(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, spec)
-    for split, problems in (("train", train), ("test", test)):
-        pd.DataFrame(to_verl_rows(problems, split)).to_parquet(tmp / "data" / f"{split}.parquet", index=False)
+    for split, rows in problems.items():
+        pd.DataFrame(to_verl_rows(rows, split)).to_parquet(tmp / "data" / f"{split}.parquet", index=False)
 
-    accuracy_before = greedy_accuracy(model, tokenizer, test)
-    losses = warm_start(model, tokenizer, train, spec.warm_start_steps, spec.warm_start_batch, spec.warm_start_lr,
-                        seed)  # fmt: skip
-    accuracy = greedy_accuracy(model, tokenizer, test)
+    test_prompts = prompt_set(tokenizer, problems["test"])
+    test_before = greedy_accuracy(model, tokenizer, test_prompts, spec.max_response_length)
+    try:
+        result = warm_start(model, tokenizer, problems["train"], problems["val"], band, spec, seed, progress)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     model.save_pretrained(tmp / "model")
     tokenizer.save_pretrained(tmp / "model")
     manifest = {
         "format": FORMAT,
         "seed": seed,
         "spec": asdict(spec),
-        "num_train": len(train),
-        "num_test": len(test),
+        "band": [low, high],
+        **{f"num_{split}": len(rows) for split, rows in problems.items()},
         "num_parameters": sum(p.numel() for p in model.parameters()),
-        "warm_start_loss_first_last": [losses[0], losses[-1]] if losses else [],
-        "test_accuracy_before_warm_start": accuracy_before,
-        "test_accuracy": accuracy,
+        "warm_start_steps": result.steps,
+        "warm_start_loss_first_last": [result.losses[0], result.losses[-1]] if result.losses else [],
+        "warm_start_evaluations": [list(e) for e in result.evaluations],
+        "val_accuracy": result.accuracy,
+        "test_accuracy_before_warm_start": test_before,
+        "test_accuracy": greedy_accuracy(model, tokenizer, test_prompts, spec.max_response_length),
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     for name in ("model", "data", MANIFEST):  # move into place last: a finished prepare is all or nothing

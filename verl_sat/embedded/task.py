@@ -13,40 +13,52 @@
 # limitations under the License.
 """A synthetic verifiable math task in verl's parquet format, scored by verl's own GSM8K scorer.
 
-Each problem is two-operand addition; the answer is written GSM8K-style as ``#### N``, so verl's
-``default_compute_score`` (``data_source="openai/gsm8k"``) grades responses exactly as it grades GSM8K.
+Each problem adds ``num_terms`` operands of up to ``max_operand`` (three-digit operands by default, so most answers
+need carries); the answer is written GSM8K-style as ``#### N``, so verl's ``default_compute_score``
+(``data_source="openai/gsm8k"``) grades responses exactly as it grades GSM8K. Problems are drawn without repetition
+and split into train, validation (the warm start's stopping rule) and test (RL's evaluation), disjoint.
 """
 
 import random
 from dataclasses import dataclass
 
 DATA_SOURCE = "openai/gsm8k"  # routes verl's default_compute_score to verl.utils.reward_score.gsm8k
+SPLITS = ("train", "val", "test")
 
 
 @dataclass(frozen=True)
 class Problem:
-    a: int
-    b: int
+    terms: tuple[int, ...]
 
     @property
     def question(self) -> str:
-        return f"{self.a}+{self.b}="
+        return "+".join(map(str, self.terms)) + "="
 
     @property
     def answer(self) -> int:
-        return self.a + self.b
+        return sum(self.terms)
 
     def solution(self) -> str:
         """The reference response used by the supervised warm start."""
         return f"#### {self.answer}"
 
 
-def make_problems(seed: int, max_operand: int, num_test: int) -> tuple[list[Problem], list[Problem]]:
-    """Every pair of operands in ``[0, max_operand]``, shuffled with ``seed``; the first ``num_test`` are the test
-    split (never seen in the warm start or RL), the rest the train split."""
-    problems = [Problem(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
-    random.Random(seed).shuffle(problems)
-    return problems[num_test:], problems[:num_test]
+def make_problems(seed: int, max_operand: int, num_terms: int, sizes: dict[str, int]) -> dict[str, list[Problem]]:
+    """Distinct problems with operands in ``[0, max_operand]``, drawn with ``seed``, split into ``sizes`` (split name
+    to count, in ``SPLITS`` order); no problem is in two splits."""
+    total = sum(sizes.values())
+    if total > (max_operand + 1) ** num_terms:
+        raise ValueError(f"{total} distinct problems requested, only {(max_operand + 1) ** num_terms} exist")
+    rng = random.Random(seed)
+    seen: dict[tuple[int, ...], None] = {}
+    while len(seen) < total:
+        seen.setdefault(tuple(rng.randint(0, max_operand) for _ in range(num_terms)))
+    problems = [Problem(terms) for terms in seen]
+    out, start = {}, 0
+    for split in SPLITS:
+        out[split] = problems[start : start + sizes[split]]
+        start += sizes[split]
+    return out
 
 
 def to_verl_rows(problems: list[Problem], split: str) -> list[dict]:
@@ -58,7 +70,7 @@ def to_verl_rows(problems: list[Problem], split: str) -> list[dict]:
             "prompt": [{"role": "user", "content": p.question}],
             "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": str(p.answer)},
-            "extra_info": {"split": split, "index": i, "a": p.a, "b": p.b},
+            "extra_info": {"split": split, "index": i, "terms": list(p.terms)},
         }
         for i, p in enumerate(problems)
     ]
