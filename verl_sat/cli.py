@@ -16,8 +16,6 @@
 import argparse
 import sys
 
-from hydra.errors import HydraException
-
 from verl_sat.doctor import run_doctor
 from verl_sat.recipe_catalog import format_catalog
 
@@ -32,6 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--workdir", default="verl_sat_work", help="output folder (default: verl_sat_work)")
     prep.add_argument("--seed", type=int, default=0, help="seed: the same seed gives the same files")
     prep.add_argument("--if-needed", action="store_true", help="do nothing if the workdir is prepared and current")
+    prep.add_argument(
+        "--band",
+        default="0.30,0.45",
+        type=_band,
+        help="greedy validation accuracy the warm start must land in, LOW,HIGH (default 0.30,0.45)",
+    )
     run = commands.add_parser(
         "train", help="asynchronous RL on this machine: verl-sat train +recipe=NAME [+lag=lagL] [key=value ...]"
     )
@@ -42,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     grid.add_argument("--name", default="default", help="sweep name: WORKDIR/sweeps/NAME, runs in WORKDIR/runs/NAME")
     grid.add_argument("--recipes", default="grpo,gspo,dppo,sat_gspo,gspo_r3,sat_grpo_r3,sat_gspo_r3",
                       help="comma-separated recipe names (default: the paper's seven)")  # fmt: skip
-    grid.add_argument("--lags", default="1,8", help="comma-separated policy lags L (0 = synchronous; default 1,8)")
+    grid.add_argument("--lags", default="1,8", help="comma-separated paper lags n: optimizer steps per weight "
+                      "broadcast, rollout one batch ahead (0 = synchronous; default 1,8)")  # fmt: skip
     grid.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     grid.add_argument("--jobs", type=int, default=1, help="cells run in parallel processes (default 1)")
     grid.add_argument("overrides", nargs="*", help="Hydra overrides applied to every run")
@@ -53,28 +58,49 @@ def main(argv: list[str] | None = None) -> int:
         print(format_catalog())
         return 0
     if args.command == "prepare":
-        from verl_sat.embedded.prepare import WorkdirError, check_prepared, prepare
-
-        if args.if_needed:
-            try:
-                check_prepared(args.workdir)
-                print(f"{args.workdir} is prepared")
-                return 0
-            except WorkdirError as err:
-                print(f"{err}; preparing")
-        manifest = prepare(args.workdir, args.seed)
-        print(
-            f"prepared {args.workdir}: {manifest['num_parameters']:,}-parameter MoE policy, "
-            f"{manifest['num_train']} train / {manifest['num_test']} test problems; greedy test accuracy "
-            f"{manifest['test_accuracy_before_warm_start']:.1%} -> {manifest['test_accuracy']:.1%} after the warm start"
-        )
-        return 0
+        return _prepare(args)
     if args.command == "train":
         return _train(args.workdir, args.overrides)
     if args.command == "sweep":
         return _sweep(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
+
+
+def _band(text: str) -> tuple[float, float]:
+    try:
+        low, high = (float(v) for v in text.split(","))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH accuracies, e.g. 0.30,0.45; got {text!r}") from err
+    if not 0.0 <= low <= high <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected 0 <= LOW <= HIGH <= 1, got {text!r}")
+    return low, high
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from verl_sat.embedded.prepare import WorkdirError, check_prepared, prepare
+    from verl_sat.embedded.warm_start import BandMissed
+
+    if args.if_needed:
+        try:
+            check_prepared(args.workdir, band=args.band)
+            print(f"{args.workdir} is prepared")
+            return 0
+        except WorkdirError as err:
+            print(f"{err}; preparing")
+    try:
+        manifest = prepare(args.workdir, args.seed, band=args.band)
+    except BandMissed as err:
+        print(f"verl-sat prepare: the warm start missed its band: {err}", file=sys.stderr)
+        return 1
+    m, (low, high) = manifest, args.band
+    print(
+        f"prepared {args.workdir}: {m['num_parameters']:,}-parameter MoE policy, {m['num_train']:,} train / "
+        f"{m['num_val']} val / {m['num_test']} test problems; warm start {m['warm_start_steps']} steps to greedy "
+        f"validation accuracy {m['val_accuracy']:.1%} (band {low:.0%}-{high:.0%}), test "
+        f"{m['test_accuracy_before_warm_start']:.1%} -> {m['test_accuracy']:.1%}"
+    )
+    return 0
 
 
 def _train(workdir: str, overrides: list[str]) -> int:
@@ -87,7 +113,7 @@ def _train(workdir: str, overrides: list[str]) -> int:
         for warning in settings.warnings:
             print(f"verl-sat train: warning: {warning}", file=sys.stderr)
         summary = train(config, settings)
-    except (EmbeddedConfigError, WorkdirError, HydraException) as err:  # Hydra's message lists the valid recipes
+    except (EmbeddedConfigError, WorkdirError) as err:
         print(f"verl-sat train: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -105,17 +131,21 @@ def format_summary(run_dir, summary: dict) -> str:
     def pct(value):
         return "n/a" if value is None else f"{value:.1%}"
 
-    mismatch = summary["last_epoch_mismatch"]
-    return "\n".join(
-        [
-            f"run {run_dir}: {summary['steps_done']}/{summary['total_steps']} steps",
-            f"  test accuracy (avg@k): start {pct(summary['initial_accuracy'])}, best {pct(summary['best_accuracy'])} "
-            f"at step {summary['best_step']}, last {pct(summary['last_accuracy'])} at step {summary['last_step']}",
-            f"  collapsed: {summary['collapsed']} ({summary['collapse_rule']}); last-epoch mismatch "
-            f"{'n/a' if mismatch is None else f'{mismatch:.4f}'}",
-            f"  curves: {run_dir / 'curves.png'}   metrics: {run_dir / 'metrics.jsonl'}",
-        ]
-    )
+    def num(value):
+        return "n/a" if value is None else f"{value:.4f}"
+
+    lines = [
+        f"run {run_dir}: {summary['steps_done']}/{summary['total_steps']} steps",
+        f"  test accuracy (avg@k): start {pct(summary['initial_accuracy'])}, best {pct(summary['best_accuracy'])} "
+        f"at step {summary['best_step']}, last {pct(summary['last_accuracy'])} at step {summary['last_step']}",
+        f"  collapsed: {summary['collapsed']} ({summary['collapse_rule']})",
+        f"  last-epoch mismatch |log pi - log mu| {num(summary['last_epoch_mismatch'])} = policy lag "
+        f"{num(summary['last_policy_lag'])} + engine {num(summary['last_engine_mismatch'])} (mean |.| of each part)",
+    ]
+    if summary.get("last_intercepted_frac") is not None:
+        lines.append(f"  SAT intercepted fraction {num(summary['last_intercepted_frac'])}")
+    lines.append(f"  curves: {run_dir / 'curves.png'}   metrics: {run_dir / 'metrics.jsonl'}")
+    return "\n".join(lines)
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -136,7 +166,7 @@ def _sweep(args: argparse.Namespace) -> int:
             compose_train_config(
                 args.workdir, [*Cell(recipe, max(lags), seeds[0]).overrides(args.name), *args.overrides]
             )
-    except (EmbeddedConfigError, WorkdirError, HydraException) as err:
+    except (EmbeddedConfigError, WorkdirError) as err:
         print(f"verl-sat sweep: {err}", file=sys.stderr)
         return 2
     out = sweep(args.workdir, recipes, lags, seeds, args.overrides, name=args.name, jobs=args.jobs)

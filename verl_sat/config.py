@@ -167,7 +167,20 @@ def divide_evenly(total: int, parts: int) -> int:
     return total // parts
 
 
-RESOLVERS = {"verl_sat.div": divide_evenly}
+def batch_for_lag(prompts_per_optimizer_step: int, trainer_mode: str, parameter_sync_step: int) -> int:
+    """``${verl_sat.lag_batch:p,mode,n}``: the prompts of a trainer step that trains ``p`` prompts per optimizer
+    step: ``p * n`` under verl's separate-async mode (n optimizer steps per broadcast), ``p`` otherwise."""
+    return prompts_per_optimizer_step * (parameter_sync_step if trainer_mode == "separate_async" else 1)
+
+
+def steps_for_lag(optimizer_steps: int, trainer_mode: str, parameter_sync_step: int) -> int:
+    """``${verl_sat.lag_steps:k,mode,n}``: the trainer steps that hold ``k`` optimizer steps: ``ceil(k / n)`` under
+    verl's separate-async mode (n optimizer steps per trainer step), ``k`` otherwise."""
+    per_step = parameter_sync_step if trainer_mode == "separate_async" else 1
+    return max(1, -(-optimizer_steps // per_step))
+
+
+RESOLVERS = {"verl_sat.div": divide_evenly, "verl_sat.lag_batch": batch_for_lag, "verl_sat.lag_steps": steps_for_lag}
 
 
 def register_resolvers() -> None:

@@ -11,81 +11,70 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""The embedded engine's config: verl's config tree composed with the same recipe group as ``verl_sat.main``, the
-engine's calibrated defaults (``+embedded=default``) first, then the recipe, the lag and the user's overrides.
+"""The embedded engine's config: verl's config tree composed with the same recipe group as ``verl_sat.main``: the
+recipe, the lag, then the engine's defaults for this scale (``+embedded=default``: sizes, learning rate), then the
+user's overrides, which win.
 
-The engine reads a subset of verl's keys (``SUPPORTED_KEYS``); a command-line override of any other key is an
-error that names it, never silently ignored.
+The engine reads an explicit list of verl's keys (``READ_KEYS``); a command-line override of any other key is an
+error that names it, never silently ignored. Values the engine cannot honour are refused the same way.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+from verl.utils.tracking import Tracking
+from verl.workers.config import PolicyLossConfig
 
+from verl_sat.config import SatConfig
 from verl_sat.embedded.prepare import check_prepared
+from verl_sat.embedded.schedule import LagSchedule
 from verl_sat.main import compose_from_args, split_args, with_recipes_searchpath
 from verl_sat.preflight import PreflightError, check_config
 
-# Keys (and key prefixes ending in ".") the embedded engine reads; see docs/local_engine.md.
-SUPPORTED_KEYS = (
-    "data.train_batch_size",
-    "data.max_response_length",
-    "data.seed",
-    "data.train_files",
-    "data.val_files",
-    "actor_rollout_ref.model.path",
-    "actor_rollout_ref.rollout.n",
-    "actor_rollout_ref.rollout.temperature",
-    "actor_rollout_ref.rollout.enable_rollout_routing_replay",
-    "actor_rollout_ref.rollout.val_kwargs.n",
-    "actor_rollout_ref.rollout.val_kwargs.temperature",
-    "actor_rollout_ref.rollout.val_kwargs.do_sample",
-    "actor_rollout_ref.actor.policy_loss.",
-    "actor_rollout_ref.actor.clip_ratio",
-    "actor_rollout_ref.actor.clip_ratio_low",
-    "actor_rollout_ref.actor.clip_ratio_high",
-    "actor_rollout_ref.actor.clip_ratio_c",
-    "actor_rollout_ref.actor.loss_agg_mode",
-    "actor_rollout_ref.actor.loss_scale_factor",
-    "actor_rollout_ref.actor.ppo_mini_batch_size",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-    "actor_rollout_ref.actor.ppo_epochs",
-    "actor_rollout_ref.actor.shuffle",
-    "actor_rollout_ref.actor.optim.lr",
-    "actor_rollout_ref.actor.optim.betas",
-    "actor_rollout_ref.actor.optim.weight_decay",
-    "actor_rollout_ref.actor.optim.clip_grad",
-    "actor_rollout_ref.actor.optim.optimizer",
-    "actor_rollout_ref.actor.optim.optimizer_impl",
-    "actor_rollout_ref.actor.optim.override_optimizer_config",
-    "actor_rollout_ref.actor.fsdp_config.router_replay.",
-    "algorithm.adv_estimator",
-    "algorithm.norm_adv_by_std_in_grpo",
-    "algorithm.rollout_correction.bypass_mode",
-    "trainer.total_training_steps",
-    "trainer.test_freq",
-    "trainer.save_freq",
-    "trainer.experiment_name",
-    "trainer.device",
-    "trainer.val_before_train",
-    "trainer.max_actor_ckpt_to_keep",
-    "trainer.use_v1",
-    "trainer.v1.",
+_ACTOR, _ROLLOUT, _CORRECTION = (
+    "actor_rollout_ref.actor.",
+    "actor_rollout_ref.rollout.",
+    "algorithm.rollout_correction.",
 )
-CONFIG_GROUPS = ("recipe", "lag", "r3", "embedded")
-OUTCOME_ESTIMATORS = (
-    "grpo",
-    "grpo_passk",
-    "grpo_vectorized",
-    "rloo",
-    "rloo_vectorized",
-    "opo",
-    "remax_free",
-    "reinforce_plus_plus_baseline",
-)
+# Every key the embedded engine reads (see docs/local_engine.md). actor.policy_loss.* are read by verl's registered
+# losses; its sat.* keys only by the SAT losses.
+READ_KEYS = frozenset(
+    [
+        "data.train_batch_size", "data.max_response_length", "data.seed", "data.train_files", "data.val_files",
+        "actor_rollout_ref.model.path",
+        *(_ROLLOUT + k for k in ("n", "temperature", "top_p", "top_k", "enable_rollout_routing_replay",
+                                 "val_kwargs.n", "val_kwargs.temperature", "val_kwargs.do_sample")),
+        *(_ACTOR + k for k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode",
+                               "loss_scale_factor", "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu",
+                               "ppo_epochs", "shuffle", "use_kl_loss", "kl_loss_type", "kl_loss_coef",
+                               "entropy_coeff", "optim.lr", "optim.betas", "optim.weight_decay", "optim.clip_grad",
+                               "optim.optimizer", "optim.optimizer_impl", "optim.override_optimizer_config",
+                               "optim.lr_warmup_steps_ratio", "optim.lr_warmup_steps", "optim.lr_scheduler_type",
+                               "fsdp_config.router_replay._target_", "fsdp_config.router_replay.mode",
+                               "policy_loss._target_", "policy_loss.loss_mode")),
+        *(_ACTOR + "policy_loss." + k for k in PolicyLossConfig.__dataclass_fields__ if not k.startswith("_")),
+        *(_ACTOR + "policy_loss.sat." + k for k in SatConfig.__dataclass_fields__ if not k.startswith("_")),
+        "algorithm.adv_estimator", "algorithm.norm_adv_by_std_in_grpo",
+        *(_CORRECTION + k for k in ("bypass_mode", "rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize",
+                                    "rollout_rs", "rollout_rs_threshold", "loss_type")),
+        "trainer.total_training_steps", "trainer.test_freq", "trainer.save_freq", "trainer.experiment_name",
+        "trainer.project_name", "trainer.logger", "trainer.device", "trainer.val_before_train",
+        "trainer.max_actor_ckpt_to_keep", "trainer.use_v1", "trainer.v1.trainer_mode",
+        "trainer.v1.separate_async.num_warmup_batches", "trainer.v1.separate_async.parameter_sync_step",
+        "trainer.v1.sampler.max_off_policy_threshold", "trainer.v1.sampler.max_off_policy_strategy",
+    ]
+)  # fmt: skip
+CONFIG_GROUPS = ("recipe", "lag", "r3", "embedded", "radii")
+# A re-run may change these and continue the run from its last checkpoint; any other change is refused.
+EXTENSIBLE_KEYS = ("trainer.total_training_steps", "trainer.test_freq", "trainer.save_freq", "trainer.logger")
+OUTCOME_ESTIMATORS = ("grpo", "grpo_passk", "grpo_vectorized", "rloo", "rloo_vectorized", "opo", "remax_free",
+                      "reinforce_plus_plus_baseline")  # fmt: skip
+SAT_LOSSES = ("sat", "sat_gspo")
 
 
 class EmbeddedConfigError(ValueError):
@@ -96,9 +85,9 @@ class EmbeddedConfigError(ValueError):
 class RunSettings:
     """What the embedded engine reads from the composed config, checked once."""
 
-    lag: int  # exact policy lag L: the batch of step s was generated by weights of version s - 1 - L
-    total_steps: int
-    batch_prompts: int  # data.train_batch_size
+    schedule: LagSchedule  # which weights sample which batch
+    total_steps: int  # trainer steps
+    batch_prompts: int  # data.train_batch_size: prompts per trainer step
     n: int  # rollout.n
     max_response_length: int
     temperature: float
@@ -112,11 +101,20 @@ class RunSettings:
     seed: int
     device: str
     routing_replay: bool
+    bypass_mode: bool
+    rollout_correction: dict  # keyword arguments of verl's rollout-correction helper (decoupled mode)
+    use_kl_loss: bool
+    loggers: tuple[str, ...]
+    project_name: str
     model_path: str
     train_file: str
     test_file: str
     run_dir: Path
-    warnings: tuple[str, ...] = ()  # the preflight's warnings, printed by `verl-sat train`
+    warnings: tuple[str, ...] = field(default=())  # the preflight's warnings, printed by `verl-sat train`
+
+    @property
+    def sync_steps(self) -> int:
+        return self.schedule.sync_steps
 
     def __post_init__(self):
         for key, value in (
@@ -132,30 +130,34 @@ class RunSettings:
             raise EmbeddedConfigError(f"actor_rollout_ref.rollout.temperature={self.temperature} must be > 0")
 
 
-def lag_of(config: DictConfig) -> int:
-    """The policy lag L set by ``+lag=...``: 0 for verl's ``sync`` mode, ``num_warmup_batches`` for
-    ``separate_async`` (whose replay buffer bounds the staleness by the same L)."""
+def schedule_of(config: DictConfig) -> LagSchedule:
+    """The lag regime of ``+lag=...``: verl's ``sync`` mode, or ``separate_async`` with ``num_warmup_batches``
+    batches ahead and ``parameter_sync_step`` chunks per trainer step."""
     v1 = config.trainer.get("v1", {})
     mode = v1.get("trainer_mode", "sync")
     if mode == "sync":
-        return 0
-    if mode == "separate_async":
-        lag = v1.separate_async.num_warmup_batches
-        bound = v1.sampler.max_off_policy_threshold
-        if bound is not None and bound != lag + 1:
-            raise EmbeddedConfigError(
-                f"trainer.v1.sampler.max_off_policy_threshold={bound} does not match "
-                f"trainer.v1.separate_async.num_warmup_batches={lag}: the embedded engine runs an exact lag L, set "
-                f"the threshold to L + 1 = {lag + 1} (as the +lag=lagL files do)"
-            )
-        return int(lag)
-    raise EmbeddedConfigError(
-        f"trainer.v1.trainer_mode={mode!r} is not supported by the embedded engine: use +lag=sync, +lag=lag1 or "
-        "+lag=lag8 (separate_async with num_warmup_batches=L)"
-    )
+        return LagSchedule(ahead=0, sync_steps=1)
+    if mode != "separate_async":
+        raise EmbeddedConfigError(
+            f"trainer.v1.trainer_mode={mode!r} is not supported by the embedded engine: use +lag=sync, a paper lag "
+            "(+lag=lag1, +lag=lag8) or a fixed lag (+lag=fixed8)"
+        )
+    ahead, sync_steps = v1.separate_async.num_warmup_batches, v1.separate_async.parameter_sync_step
+    for key, value in (("num_warmup_batches", ahead), ("parameter_sync_step", sync_steps)):
+        if not isinstance(value, int) or value < 1:
+            raise EmbeddedConfigError(f"trainer.v1.separate_async.{key}={value!r}: expected a positive integer")
+    bound = v1.sampler.max_off_policy_threshold
+    if bound is not None and bound != ahead + 1:
+        raise EmbeddedConfigError(
+            f"trainer.v1.sampler.max_off_policy_threshold={bound} does not match "
+            f"trainer.v1.separate_async.num_warmup_batches={ahead}: the embedded engine runs the rollout exactly "
+            f"{ahead} batch(es) ahead, so every trajectory spans {ahead + 1} weight versions; set the threshold to "
+            f"{ahead + 1} (as the +lag presets do)"
+        )
+    return LagSchedule(ahead=ahead, sync_steps=sync_steps)
 
 
-def check_supported_overrides(overrides: list[str]) -> None:
+def check_read_overrides(overrides: list[str]) -> None:
     """Refuse command-line overrides of keys the embedded engine does not read."""
     for override in overrides:
         key = override.lstrip("+~").split("=", 1)[0]
@@ -163,28 +165,71 @@ def check_supported_overrides(overrides: list[str]) -> None:
             if key.split("@")[0] not in CONFIG_GROUPS:
                 raise EmbeddedConfigError(f"config group {key!r} is not known to the embedded engine")
             continue
-        if not any(key == k or (k.endswith(".") and key.startswith(k)) for k in SUPPORTED_KEYS):
+        if key not in READ_KEYS:
             raise EmbeddedConfigError(
-                f"{key} is not supported by the embedded engine (it would be ignored); run it on verl with "
-                f"`python -m verl_sat.main ...`, or see docs/local_engine.md for the keys the engine reads"
+                f"{key} is not read by the embedded engine (it would be ignored); run it on verl with "
+                "`python -m verl_sat.main ...`, or see docs/local_engine.md for the keys the engine reads"
             )
 
 
+def _check_values(config: DictConfig, overrides: list[str]) -> None:
+    """Values of read keys that the engine cannot honour, each refused naming the key."""
+    actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
+    correction = config.algorithm.get("rollout_correction", {})
+    loss_mode = actor.policy_loss.get("loss_mode", "vanilla")
+    given = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    sat_keys = sorted(k for k in given if k.startswith(_ACTOR + "policy_loss.sat."))
+    if sat_keys and loss_mode not in SAT_LOSSES:
+        raise EmbeddedConfigError(f"{sat_keys[0]} is read only by the SAT losses, not loss_mode={loss_mode!r}")
+    checks = [
+        (rollout.get("top_p", 1.0) == 1.0, _ROLLOUT + "top_p", "1.0 (the engine samples everything)"),
+        (rollout.get("top_k", -1) in (-1, 0, None), _ROLLOUT + "top_k", "-1 (the engine samples everything)"),
+        (actor.optim.get("lr_warmup_steps_ratio", 0.0) == 0.0, _ACTOR + "optim.lr_warmup_steps_ratio",
+         "0 (the engine keeps the learning rate constant, as the paper's recipes do)"),
+        ((actor.optim.get("lr_warmup_steps") or -1) <= 0, _ACTOR + "optim.lr_warmup_steps", "-1 or 0 (constant lr)"),
+        (actor.optim.get("lr_scheduler_type", "constant") == "constant", _ACTOR + "optim.lr_scheduler_type",
+         "constant"),
+        (config.algorithm.adv_estimator in OUTCOME_ESTIMATORS, "algorithm.adv_estimator",
+         f"one of {list(OUTCOME_ESTIMATORS)} (no critic)"),
+        (correction.get("loss_type", "ppo_clip") == "ppo_clip", _CORRECTION + "loss_type", "ppo_clip"),
+        (not (correction.get("bypass_mode", False) and (correction.get("rollout_is") or correction.get("rollout_rs"))),
+         _CORRECTION + "rollout_is", "null in bypass mode (old_log_prob is the rollout's: the weights would be 1)"),
+    ]  # fmt: skip
+    loggers = [config.trainer.logger] if isinstance(config.trainer.logger, str) else list(config.trainer.logger)
+    unknown = [name for name in loggers if name not in Tracking.supported_backend]
+    if unknown:
+        raise EmbeddedConfigError(f"trainer.logger={loggers}: {unknown[0]!r} is not one of verl's loggers "
+                                  f"{Tracking.supported_backend}")  # fmt: skip
+    for ok, key, expected in checks:
+        if not ok:
+            raise EmbeddedConfigError(f"{key}={OmegaConf.select(config, key)!r} is not supported by the embedded "
+                                      f"engine: expected {expected}")  # fmt: skip
+
+
 def _recipe_uses_r3(overrides: list[str]) -> bool:
-    """Whether the chosen recipe file includes the ``/r3`` group (the ``*_r3`` recipes)."""
+    """Whether the chosen recipe, directly or through the recipes it builds on, includes the ``/r3`` group."""
     name = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("recipe=")), None)
-    path = files("verl_sat.recipes").joinpath("recipe", f"{name}.yaml")
-    if name is None or not path.is_file():
-        return False  # no or unknown recipe: Hydra reports it with the list of valid names
-    defaults = OmegaConf.create(path.read_text()).get("defaults", [])
-    return any(isinstance(entry, DictConfig) and "/r3" in entry for entry in defaults)
+    while name is not None:
+        path = files("verl_sat.recipes").joinpath("recipe", f"{name}.yaml")
+        if not path.is_file():
+            return False  # unknown recipe: Hydra reports it with the list of valid names
+        defaults = OmegaConf.create(path.read_text()).get("defaults", [])
+        if any(isinstance(entry, DictConfig) and "/r3" in entry for entry in defaults):
+            return True
+        name = next((entry for entry in defaults if isinstance(entry, str) and entry != "_self_"), None)
+    return False
 
 
 def engine_overrides(workdir: Path, overrides: list[str]) -> list[str]:
-    """The overrides the engine composes: its defaults first, the workdir's files, R3 through verl-sat's own hooks
-    (``r3=fsdp``), a run name ``RECIPE-LAG-sSEED``, then the user's overrides (which win)."""
+    """The overrides the engine composes: the user's config groups (recipe, lag, ...) and then the engine's defaults
+    (which win over the recipe's cluster-scale values), R3 through verl-sat's own hooks (``r3=fsdp``), the workdir's
+    files, a run name ``RECIPE-LAG-sSEED``, then the user's key=value overrides (which win over everything)."""
     given = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
-    out = [] if "embedded" in given else ["+embedded=default"]
+    groups = [o for o in overrides if "." not in o.lstrip("+~").split("=", 1)[0]]
+    values = [o for o in overrides if o not in groups]
+    out = [*groups, *([] if "embedded" in given else ["+embedded=default"])]
+    if "r3" not in given and _recipe_uses_r3(overrides):
+        out.append("r3=fsdp")
     for key, value in (
         ("actor_rollout_ref.model.path", workdir / "model"),
         ("data.train_files", workdir / "data" / "train.parquet"),
@@ -192,13 +237,11 @@ def engine_overrides(workdir: Path, overrides: list[str]) -> list[str]:
     ):
         if key not in given:
             out.append(f"{key}={value}")
-    if "r3" not in given and _recipe_uses_r3(overrides):
-        out.append("r3=fsdp")
     if "trainer.experiment_name" not in given:
         choice = {o.lstrip("+").split("=", 1)[0]: o.split("=", 1)[1] for o in overrides if "=" in o}
         seed = choice.get("data.seed", "0")
         out.append(f"trainer.experiment_name={choice.get('recipe', 'default')}-{choice.get('lag', 'sync')}-s{seed}")
-    return [*out, *overrides]
+    return [*out, *values]
 
 
 def compose_train_config(workdir: str | Path, args: list[str]) -> tuple[DictConfig, RunSettings]:
@@ -207,33 +250,39 @@ def compose_train_config(workdir: str | Path, args: list[str]) -> tuple[DictConf
     flags, overrides = split_args(args)
     if flags:
         raise EmbeddedConfigError(f"{flags[0]} is not an option of verl-sat train (only key=value overrides)")
-    check_supported_overrides(overrides)
-    config = compose_from_args(with_recipes_searchpath(engine_overrides(workdir, overrides)))
+    check_read_overrides(overrides)
+    try:
+        config = compose_from_args(with_recipes_searchpath(engine_overrides(workdir, overrides)))
+        with open_dict(config):
+            del config["hydra"]  # the job config only, as verl's --cfg job prints it
+        OmegaConf.resolve(config)  # as verl's main_ppo does; a resolver's error names its key
+    except (HydraException, OmegaConfBaseException) as err:  # Hydra's message names the key or lists valid recipes
+        raise EmbeddedConfigError(str(err)) from err
     try:
         warnings = tuple(check_config(config))
     except PreflightError as err:
         raise EmbeddedConfigError(str(err)) from err
-    if not config.algorithm.get("rollout_correction", {}).get("bypass_mode", False):
-        raise EmbeddedConfigError(
-            "algorithm.rollout_correction.bypass_mode=false (decoupled mode, e.g. the tis recipe) is not supported by "
-            "the embedded engine: its old_log_prob is the rollout engine's log-prob (bypass mode)"
-        )
-    if config.algorithm.adv_estimator not in OUTCOME_ESTIMATORS:
-        raise EmbeddedConfigError(
-            f"algorithm.adv_estimator={config.algorithm.adv_estimator!r} is not supported by the embedded engine "
-            f"(no critic); use one of {list(OUTCOME_ESTIMATORS)}"
-        )
+    _check_values(config, overrides)
     device = config.trainer.device
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise EmbeddedConfigError(f"trainer.device={device!r} but no CUDA device is available; use trainer.device=cpu")
     model_path = Path(config.actor_rollout_ref.model.path)
     if model_path == workdir / "model":
         check_prepared(workdir)
-    rollout, trainer = config.actor_rollout_ref.rollout, config.trainer
+    schedule = schedule_of(config)
+    rollout, trainer, actor = config.actor_rollout_ref.rollout, config.trainer, config.actor_rollout_ref.actor
+    batch, mini = config.data.train_batch_size, actor.ppo_mini_batch_size
+    if schedule.sync_steps > 1 and batch != schedule.sync_steps * mini:
+        raise EmbeddedConfigError(
+            f"data.train_batch_size={batch} must equal trainer.v1.separate_async.parameter_sync_step="
+            f"{schedule.sync_steps} x actor_rollout_ref.actor.ppo_mini_batch_size={mini} (as verl's separate-async "
+            "trainer asserts)"
+        )
+    correction = config.algorithm.get("rollout_correction", {})
     settings = RunSettings(
-        lag=lag_of(config),
+        schedule=schedule,
         total_steps=trainer.total_training_steps,
-        batch_prompts=config.data.train_batch_size,
+        batch_prompts=batch,
         n=rollout.n,
         max_response_length=config.data.max_response_length,
         temperature=float(rollout.temperature),
@@ -247,10 +296,24 @@ def compose_train_config(workdir: str | Path, args: list[str]) -> tuple[DictConf
         seed=int(config.data.seed or 0),
         device=device,
         routing_replay=rollout.enable_rollout_routing_replay,
+        bypass_mode=bool(correction.get("bypass_mode", False)),
+        rollout_correction={
+            key: correction.get(key)
+            for key in (
+                "rollout_is",
+                "rollout_is_threshold",
+                "rollout_is_batch_normalize",
+                "rollout_rs",
+                "rollout_rs_threshold",
+            )
+        },  # fmt: skip
+        use_kl_loss=bool(actor.use_kl_loss),
+        loggers=tuple([trainer.logger] if isinstance(trainer.logger, str) else trainer.logger),
+        project_name=trainer.project_name,
         model_path=str(model_path),
         train_file=str(config.data.train_files),
         test_file=str(config.data.val_files),
-        run_dir=workdir / "runs" / trainer.experiment_name,
+        run_dir=workdir / "runs" / str(trainer.experiment_name),  # Hydra reads "1" or "nan" as numbers
         warnings=warnings,
     )
     return config, settings

@@ -17,8 +17,9 @@
     metrics.jsonl                 one JSON line per step (step 0: evaluation before training)
     tensorboard/                  the same metrics as TensorBoard events
     checkpoints/global_step_N.pt  model, optimizer and the rollout's pending bf16 weight versions
-    summary.json                  best / last accuracy, collapse flag, last-epoch mismatch
-    curves.png                    accuracy, reward and mismatch against step
+    summary.json                  best / last accuracy, collapse flag, last-epoch mismatch and its attribution
+    curves.png                    accuracy, reward, mismatch and its split (policy lag / engine) against optimizer step
+    file_logger/, ...             what verl's Tracking backends write (trainer.logger), TensorBoard in tensorboard/
 
 Every file is written to a temporary name and renamed, so an interruption never leaves a corrupted checkpoint or
 a truncated metrics line; resuming from step N drops metric lines after N.
@@ -33,9 +34,21 @@ import torch
 
 ACCURACY = "val/accuracy"  # avg@k on the test split
 REWARD = "reward/mean"
-MISMATCH = "actor/mismatch_abs_log_ratio"  # mean |log_prob - old_log_prob| of the step's last epoch
+OPTIMIZER_STEP = "training/optimizer_step"  # optimizer steps done after the trainer step (lags compare on it)
+MISMATCH = "actor/mismatch_abs_log_ratio"  # mean |log_prob - mu| of the step's last epoch (Eq. 52)
+POLICY_LAG = "staleness/policy_abs_mean"  # mean |log pi(j) - log pi(l)|
+ENGINE_MISMATCH = "staleness/engine_abs_mean"  # mean |log pi(l) - log mu|
+INTERCEPTED = "actor/sat_intercepted_frac"
+# summary key -> metric averaged over the last MISMATCH_TAIL of the steps
+TAIL_MEANS = {"last_epoch_mismatch": MISMATCH, "last_policy_lag": POLICY_LAG, "last_engine_mismatch": ENGINE_MISMATCH,
+              "last_intercepted_frac": INTERCEPTED}  # fmt: skip
 COLLAPSE_RATIO = 0.5  # collapsed: last accuracy < COLLAPSE_RATIO x best accuracy
 MISMATCH_TAIL = 0.1  # last-epoch mismatch of a run: mean over its last 10% of steps
+
+
+def optimizer_step(record: dict) -> int:
+    """The optimizer steps done when ``record`` was logged (0 for the evaluation before training)."""
+    return record.get(OPTIMIZER_STEP, record["step"])
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -91,13 +104,18 @@ def checkpoints(folder: Path) -> list[Path]:
 
 
 def summarize(records: list[dict], total_steps: int) -> dict:
-    """Best and last accuracy with their steps, the collapse flag (``last < COLLAPSE_RATIO * best``) and the
-    last-epoch mismatch (mean of ``MISMATCH`` over the last ``MISMATCH_TAIL`` of the steps)."""
+    """Best and last accuracy with their steps, the collapse flag (``last < COLLAPSE_RATIO * best``), and the means
+    over the last ``MISMATCH_TAIL`` of the steps of the mismatch, its split and SAT's intercepted fraction (``None``
+    where the run does not log them)."""
     evals = [(r["step"], r[ACCURACY]) for r in records if ACCURACY in r]
     steps = [r for r in records if MISMATCH in r]
     tail = steps[-max(1, math.ceil(MISMATCH_TAIL * len(steps))) :] if steps else []
     best_step, best = max(evals, key=lambda e: (e[1], -e[0])) if evals else (None, None)
     last_step, last = evals[-1] if evals else (None, None)
+    tail_means = {}
+    for name, key in TAIL_MEANS.items():
+        values = [r[key] for r in tail if key in r]
+        tail_means[name] = sum(values) / len(values) if values else None
     return {
         "steps_done": max((r["step"] for r in records), default=0),
         "total_steps": total_steps,
@@ -108,25 +126,34 @@ def summarize(records: list[dict], total_steps: int) -> dict:
         "initial_accuracy": evals[0][1] if evals and evals[0][0] == 0 else None,
         "collapsed": bool(evals) and last < COLLAPSE_RATIO * best,
         "collapse_rule": f"last accuracy < {COLLAPSE_RATIO} x best accuracy",
-        "last_epoch_mismatch": sum(r[MISMATCH] for r in tail) / len(tail) if tail else None,
+        **tail_means,
     }
 
 
 def plot_curves(records: list[dict], path: Path, title: str) -> None:
-    """``curves.png``: accuracy, reward and mismatch against step."""
+    """``curves.png``: accuracy, reward, mismatch and its split into policy lag and engine mismatch against optimizer
+    step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = ((ACCURACY, "test avg@k accuracy"), (REWARD, "train reward (mean)"), (MISMATCH, "mismatch |log ratio|"))
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    for ax, (key, label) in zip(axes, panels, strict=True):
-        points = [(r["step"], r[key]) for r in records if key in r]
-        if points:
-            ax.plot(*zip(*points, strict=True), marker="o" if key == ACCURACY else None, markersize=3)
-        ax.set_xlabel("trainer step")
-        ax.set_title(label)
+    panels = (
+        ("test avg@k accuracy", [(ACCURACY, None)]),
+        ("train reward (mean)", [(REWARD, None)]),
+        ("mismatch: mean |log pi - log mu|", [(MISMATCH, None)]),
+        ("its split (Eq. 2)", [(POLICY_LAG, "policy lag |Δπ|"), (ENGINE_MISMATCH, "engine |Δimpl|")]),
+    )
+    fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
+    for ax, (panel, lines) in zip(axes, panels, strict=True):
+        for key, label in lines:
+            points = [(optimizer_step(r), r[key]) for r in records if key in r]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o" if key == ACCURACY else None, markersize=3, label=label)
+        if any(label for _, label in lines):
+            ax.legend(fontsize=8)
+        ax.set_xlabel("optimizer step")
+        ax.set_title(panel)
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()

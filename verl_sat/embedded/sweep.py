@@ -47,11 +47,11 @@ class Cell:
         return f"{self.recipe}-lag{self.lag}-s{self.seed}"
 
     def overrides(self, sweep: str) -> list[str]:
-        """``+lag=sync`` / ``+lag=lag1`` / ``+lag=lag8`` files; any other L is lag1 with L warm-up batches."""
+        """The paper's lag L: ``+lag=sync`` / ``+lag=lag1`` / ``+lag=lag8``; any other L is lag1 with
+        ``parameter_sync_step=L``."""
         lag = {0: ["+lag=sync"], 1: ["+lag=lag1"], 8: ["+lag=lag8"]}.get(self.lag) or [
             "+lag=lag1",
-            f"trainer.v1.separate_async.num_warmup_batches={self.lag}",
-            f"trainer.v1.sampler.max_off_policy_threshold={self.lag + 1}",
+            f"trainer.v1.separate_async.parameter_sync_step={self.lag}",
         ]
         return [
             f"+recipe={self.recipe}",
@@ -203,7 +203,7 @@ def plot_sweep(out: Path, runs: dict[Cell, list[dict]], rows: list[dict], recipe
     for lag in lags:
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for recipe in recipes:
-            curves = [[(r["step"], r[run_files.ACCURACY]) for r in records if run_files.ACCURACY in r]
+            curves = [[(run_files.optimizer_step(r), r[run_files.ACCURACY]) for r in records if run_files.ACCURACY in r]
                       for cell, records in runs.items() if (cell.recipe, cell.lag) == (recipe, lag)]  # fmt: skip
             curves = [c for c in curves if c]
             if not curves:
@@ -215,7 +215,7 @@ def plot_sweep(out: Path, runs: dict[Cell, list[dict]], rows: list[dict], recipe
             ax.fill_between(steps, [100 * min(v) for v in values], [100 * max(v) for v in values],
                             color=line.get_color(), alpha=0.15)  # fmt: skip
         ax.set(
-            xlabel="trainer step",
+            xlabel="optimizer step",
             ylabel="test accuracy, avg@k (%)",
             title=f"lag {lag}: mean over seeds, band = min-max",
         )

@@ -11,15 +11,18 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""``verl-sat train``: asynchronous RL on one machine with an exact policy lag (see ``rollout`` for the versions).
+"""``verl-sat train``: asynchronous RL on one machine, the paper's pipeline in miniature (see ``schedule`` for the lag).
 
 The trainer (fp32) runs in the calling thread and the rollout engine (bf16 copy) in a background thread; the loss,
-advantages, reward and optimizer are verl's (``ppo_update``). A re-run of the same command resumes from the latest
-checkpoint; a run that already finished only prints its summary.
+KL, advantages, reward, rollout correction, optimizer and loggers are verl's (``ppo_update``). Every random draw
+comes from a generator seeded by (seed, stream, step), so the same seed and config give the same ``metrics.jsonl``
+(timings aside) at any lag, also across a resume. A re-run of the same command resumes from the latest checkpoint;
+a re-run with a larger ``trainer.total_training_steps`` (or other test/save frequencies or loggers) extends the run.
 """
 
 import copy
 import json
+import os
 import time
 from pathlib import Path
 
@@ -28,53 +31,87 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.tracking import Tracking
 from verl.workers.config.optimizer import build_optimizer
 
 from verl_sat.embedded import run_files
 from verl_sat.embedded.evaluate import avg_at_k
-from verl_sat.embedded.ppo_update import ppo_update
-from verl_sat.embedded.rollout import PromptSet, RolloutEngine, RolloutWorker, WeightStore
-from verl_sat.embedded.run_config import EmbeddedConfigError, RunSettings
+from verl_sat.embedded.ppo_update import Policy, train_step
+from verl_sat.embedded.rollout import (
+    EVAL_STREAM,
+    SHUFFLE_STREAM,
+    PromptSet,
+    RolloutEngine,
+    RolloutWorker,
+    WeightStore,
+    stream_seed,
+)
+from verl_sat.embedded.run_config import EXTENSIBLE_KEYS, EmbeddedConfigError, RunSettings
 from verl_sat.routing_replay import RoutingReplay
+
+TIMING_PREFIXES = ("timing/", "perf/")  # the only metrics that differ between two runs of the same config
 
 
 def _config_diff(old: dict, new: dict, prefix: str = "") -> str | None:
-    """The first key whose value differs between two resolved configs."""
+    """The first key, outside ``EXTENSIBLE_KEYS``, whose value differs between two resolved configs."""
     for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
+        a, b, name = old.get(key), new.get(key), f"{prefix}{key}"
         if isinstance(a, dict) and isinstance(b, dict):
-            found = _config_diff(a, b, f"{prefix}{key}.")
+            found = _config_diff(a, b, f"{name}.")
             if found:
                 return found
-        elif a != b:
-            return f"{prefix}{key}: {a!r} (run) vs {b!r} (now)"
+        elif a != b and name not in EXTENSIBLE_KEYS:
+            return f"{name}: {a!r} (run) vs {b!r} (now)"
     return None
 
 
 def _prepare_run_dir(config: DictConfig, settings: RunSettings) -> None:
-    """Create the run folder with the resolved config, or check that a re-run asks for the same config."""
+    """Create the run folder with the resolved config, or check that a re-run asks for the same config (up to the
+    keys that extend a run) and record the new one."""
     resolved = OmegaConf.to_container(config, resolve=True)
     path = settings.run_dir / "config.yaml"
     if path.exists():
         diff = _config_diff(OmegaConf.to_container(OmegaConf.load(path)), resolved)
         if diff:
             raise EmbeddedConfigError(
-                f"{settings.run_dir} holds a run with another config ({diff}); choose another "
-                "trainer.experiment_name or delete the folder"
+                f"{settings.run_dir} holds a run with another config ({diff}); only {', '.join(EXTENSIBLE_KEYS)} may "
+                "change to extend it: choose another trainer.experiment_name or delete the folder"
             )
-        return
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     run_files.write_atomic(path, OmegaConf.to_yaml(OmegaConf.create(resolved)))
 
 
+def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    copied = copy.deepcopy(model).eval()
+    for parameter in copied.parameters():
+        parameter.requires_grad_(False)
+    return copied
+
+
+def _tracking(config: DictConfig, settings: RunSettings, first_step: int) -> Tracking:
+    """verl's ``Tracking`` with the run's backends, writing into the run folder (a resume starts a new file-logger
+    file, so nothing earlier is overwritten)."""
+    os.environ["TENSORBOARD_DIR"] = str(settings.run_dir / "tensorboard")
+    (settings.run_dir / "file_logger").mkdir(exist_ok=True)
+    os.environ["VERL_FILE_LOGGER_PATH"] = str(settings.run_dir / "file_logger" / f"from_step_{first_step}.jsonl")
+    try:
+        return Tracking(settings.project_name, settings.run_dir.name, default_backend=list(settings.loggers),
+                        config=OmegaConf.to_container(config, resolve=True))  # fmt: skip
+    except ImportError as err:
+        raise EmbeddedConfigError(f"trainer.logger={list(settings.loggers)}: {err}") from err
+
+
 def train(config: DictConfig, settings: RunSettings, progress: bool = True) -> dict:
-    """Run (or resume) the embedded asynchronous RL loop; returns the summary written to ``summary.json``."""
+    """Run (or resume, or extend) the embedded asynchronous RL loop; returns the summary written to
+    ``summary.json``."""
     _prepare_run_dir(config, settings)
-    run_dir, device = settings.run_dir, torch.device(settings.device)
+    run_dir, device, schedule = settings.run_dir, torch.device(settings.device), settings.schedule
     actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
     algo = omega_conf_to_dataclass(config.algorithm)
     tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
     model = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=torch.float32).to(device).train()
+    reference = Policy(_frozen_copy(model)) if settings.use_kl_loss else None  # the prepared model, never updated
+    at_version = Policy(_frozen_copy(model))  # loaded with the fp32 weights that sampled each batch
     optimizer = build_optimizer(model.parameters(), actor.optim)
     train_prompts = PromptSet.load(settings.train_file, tokenizer)
     test_prompts = PromptSet.load(settings.test_file, tokenizer)
@@ -89,64 +126,53 @@ def train(config: DictConfig, settings: RunSettings, progress: bool = True) -> d
             store.publish(int(version), weights)
         done = state["step"]
     else:
-        store.publish(0, model)
+        store.publish(0, model.state_dict())
     log = run_files.MetricsLog(run_dir / "metrics.jsonl", resume_step=done)
     if done >= settings.total_steps:
         return _finish(run_dir, log.records, settings)
 
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=done + 1)
     engine = RolloutEngine(copy.deepcopy(model), tokenizer, train_prompts, settings)
-    routing = RoutingReplay.attach(model) if settings.routing_replay else None
-    worker = RolloutWorker(engine, store, settings.lag, done + 1, settings.total_steps)
+    policy = Policy(model, RoutingReplay.attach(model) if settings.routing_replay else None)
+    if settings.routing_replay:
+        at_version.routing = RoutingReplay.attach(at_version.model)
+    tracker = _tracking(config, settings, done + 1)
+    worker = RolloutWorker(engine, store, schedule, done + 1, settings.total_steps)
     worker.start()
-    generator = torch.Generator().manual_seed(settings.seed)
 
     def evaluate(step: int) -> float:
-        return avg_at_k(
-            model,
-            tokenizer,
-            test_prompts,
-            settings.val_n,
-            settings.max_response_length,
-            settings.val_temperature,
-            settings.val_do_sample,
-            seed=settings.seed + 7919 * step,
-        )
+        generator = torch.Generator().manual_seed(stream_seed(settings.seed, EVAL_STREAM, step))
+        return avg_at_k(model, tokenizer, test_prompts, settings.val_n, settings.max_response_length,
+                        settings.val_temperature, generator if settings.val_do_sample else None)  # fmt: skip
 
     def record(metrics: dict) -> None:
         log.append(metrics)
-        for key, value in metrics.items():
-            if key != "step":
-                writer.add_scalar(key, value, metrics["step"])
+        scalars = {k: v for k, v in metrics.items() if k != "step" and isinstance(v, int | float)}
+        tracker.log(scalars, step=metrics["step"])
 
     try:
-        if done == 0 and settings.val_before_train:
+        if done == 0 and settings.val_before_train and not log.records:
             record({"step": 0, run_files.ACCURACY: evaluate(0)})
         accuracy = next((r[run_files.ACCURACY] for r in reversed(log.records) if run_files.ACCURACY in r), None)
-        bar = tqdm(
-            range(done + 1, settings.total_steps + 1),
-            desc=settings.run_dir.name,
-            unit="step",
-            initial=done,
-            total=settings.total_steps,
-            disable=not progress,
-        )
+        bar = tqdm(range(done + 1, settings.total_steps + 1), desc=run_dir.name, unit="step", initial=done,
+                   total=settings.total_steps, disable=not progress)  # fmt: skip
         for step in bar:
             start = time.perf_counter()
             batch = worker.next_batch(step)
             waited = time.perf_counter() - start
-            metrics = ppo_update(
-                model, optimizer, batch, actor, algo, settings.n, settings.temperature, routing, generator
-            )
-            store.publish(step, model)
-            store.keep_from(step - settings.lag)
-            tokens = int(batch.attention_mask.sum())
+            at_version.model.load_state_dict(store.trainer_weights(batch.version))
+            shuffle = torch.Generator().manual_seed(stream_seed(settings.seed, SHUFFLE_STREAM, step))
+            metrics = train_step(policy, optimizer, batch, actor, algo, settings, shuffle, reference, at_version)
+            store.publish(step, model.state_dict())
+            store.keep_from(schedule.version_for_step(step + 1))
+            gaps = schedule.optimizer_step_gaps(step, int(metrics["actor/optimizer_steps"]))
             metrics = {
                 "step": step,
+                run_files.OPTIMIZER_STEP: step * int(metrics["actor/optimizer_steps"]),  # the same count every step
                 "rollout/policy_version": batch.version,
-                "rollout/version_gap": step - 1 - batch.version,
+                "rollout/version_gap": schedule.version_gap(step),
+                "rollout/optimizer_step_gaps": gaps,
+                "rollout/optimizer_step_gap_min": min(gaps),
+                "rollout/optimizer_step_gap_max": max(gaps),
                 run_files.REWARD: float(batch.scores.mean()),
                 "response_length/mean": float(batch.response_mask.sum(-1).float().mean()),
                 **metrics,
@@ -154,27 +180,21 @@ def train(config: DictConfig, settings: RunSettings, progress: bool = True) -> d
                 "timing/wait_s": waited,
                 "timing/step_s": time.perf_counter() - start,
             }
-            metrics["perf/tokens_per_s"] = tokens / metrics["timing/step_s"]
+            metrics["perf/tokens_per_s"] = int(batch.attention_mask.sum()) / metrics["timing/step_s"]
             if _due(step, settings.test_freq, settings.total_steps):
                 eval_start = time.perf_counter()
                 accuracy = metrics[run_files.ACCURACY] = evaluate(step)
                 metrics["timing/eval_s"] = time.perf_counter() - eval_start
             record(metrics)  # before the checkpoint: a resume from it never lacks this line
             if _due(step, settings.save_freq, settings.total_steps):
-                state = {
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "rollout_versions": store.snapshot(),
-                }
+                state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "rollout_versions": store.snapshot()}  # fmt: skip
                 run_files.save_checkpoint(run_dir / "checkpoints", step, state, settings.keep_checkpoints)
-            bar.set_postfix(
-                reward=f"{metrics[run_files.REWARD]:.2f}",
-                acc="-" if accuracy is None else f"{accuracy:.3f}",
-                lag=metrics["rollout/version_gap"],
-            )
+            shown = "-" if accuracy is None else f"{accuracy:.3f}"
+            bar.set_postfix(reward=f"{metrics[run_files.REWARD]:.2f}", acc=shown, gap=f"{min(gaps)}..{max(gaps)}")
     finally:
         worker.stop()
-        writer.close()
+        tracker.finish()
     return _finish(run_dir, log.records, settings)
 
 
