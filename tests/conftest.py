@@ -28,9 +28,12 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl_sat.config import SatConfig
 from verl_sat.embedded.prepare import PrepareSpec, prepare
 
-# The embedded engine at test size: a 2-layer, 4-expert policy on one-digit addition.
-TINY_PREPARE = PrepareSpec(max_operand=9, num_test=20, hidden_size=32, num_layers=2, num_experts=4, warm_start_steps=3,
-                           warm_start_batch=8)  # fmt: skip
+# The embedded engine at test size: a 2-layer, 4-expert policy on one-digit addition, warm-started into TINY_BAND
+# (about 3 s).
+TINY_PREPARE = PrepareSpec(max_operand=9, num_train=60, num_val=20, num_test=20, max_response_length=8, hidden_size=32,
+                           num_layers=2, num_experts=4, warm_start_batch=16, warm_start_lr=3e-3,
+                           warm_start_eval_every=20, warm_start_max_steps=3000)  # fmt: skip
+TINY_BAND = (0.25, 0.6)
 
 SAT_TARGET = "actor_rollout_ref.actor.policy_loss._target_=verl_sat.config.SatPolicyLossConfig"
 
@@ -156,5 +159,5 @@ def sat_actor_config():
 def tiny_workdir(tmp_path_factory):
     """A workdir prepared at test size (shared: tests write their runs under their own experiment names)."""
     path = tmp_path_factory.mktemp("prepared")
-    prepare(path, seed=0, spec=TINY_PREPARE)
+    prepare(path, seed=0, spec=TINY_PREPARE, band=TINY_BAND, progress=False)
     return path

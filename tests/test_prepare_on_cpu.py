@@ -11,20 +11,25 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""``verl-sat prepare``: offline, deterministic tokenizer, MoE policy, verl-format task data and warm start."""
+"""``verl-sat prepare``: offline, deterministic tokenizer, MoE policy, verl-format task data, and a warm start that
+lands in its accuracy band or says it missed."""
 
+import functools
 import json
 
 import pandas as pd
 import pytest
 import torch
-from conftest import TINY_PREPARE
+from conftest import TINY_BAND, TINY_PREPARE
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.utils.reward_score import default_compute_score
 
-from verl_sat.embedded.prepare import MANIFEST, PrepareSpec, prepare
+from verl_sat import cli
+from verl_sat.embedded.prepare import MANIFEST, PrepareSpec, WorkdirError, check_prepared, prepare
+from verl_sat.embedded.task import SPLITS, make_problems
+from verl_sat.embedded.warm_start import BandMissed
 from verl_sat.routing_replay import RoutingReplay
 
 
@@ -45,22 +50,22 @@ def test_writes_a_loadable_model_and_tokenizer(workdir):
     assert RoutingReplay.attach(model).num_layers == 2  # a real MoE: the R3 recipes can replay it
 
 
-def test_parquet_in_verl_format_read_by_rlhf_dataset(workdir):
-    train = pd.read_parquet(workdir / "data" / "train.parquet")
-    test = pd.read_parquet(workdir / "data" / "test.parquet")
-    assert len(train) == 100 - 20 and len(test) == 20
-    train_q = {row[0]["content"] for row in train["prompt"]}
-    assert train_q.isdisjoint({row[0]["content"] for row in test["prompt"]})
-    row = test.iloc[0]
-    a, b = row["extra_info"]["a"], row["extra_info"]["b"]
-    assert row["data_source"] == "openai/gsm8k" and row["reward_model"]["ground_truth"] == str(a + b)
+def test_three_disjoint_splits_in_verl_format_read_by_rlhf_dataset(workdir):
+    frames = {split: pd.read_parquet(workdir / "data" / f"{split}.parquet") for split in SPLITS}
+    assert {split: len(frame) for split, frame in frames.items()} == {"train": 60, "val": 20, "test": 20}
+    questions = {split: {row[0]["content"] for row in frame["prompt"]} for split, frame in frames.items()}
+    assert all(len(q) == len(frames[s]) for s, q in questions.items())  # no repeats within a split
+    assert questions["train"].isdisjoint(questions["val"] | questions["test"])
+    assert questions["val"].isdisjoint(questions["test"])
+    row = frames["test"].iloc[0]
+    assert row["data_source"] == "openai/gsm8k"
+    assert row["reward_model"]["ground_truth"] == str(sum(row["extra_info"]["terms"]))
     tokenizer = AutoTokenizer.from_pretrained(workdir / "model")
     config = OmegaConf.create({"prompt_key": "prompt", "max_prompt_length": 32, "truncation": "error",
                                "cache_dir": str(workdir / "cache")})  # fmt: skip
     dataset = RLHFDataset(str(workdir / "data" / "train.parquet"), tokenizer, config)
-    assert len(dataset) == len(train)
-    item = dataset[0]
-    assert item["reward_model"]["ground_truth"] == train.iloc[0]["reward_model"]["ground_truth"]
+    assert len(dataset) == len(frames["train"])
+    assert dataset[0]["reward_model"]["ground_truth"] == frames["train"].iloc[0]["reward_model"]["ground_truth"]
 
 
 def test_verl_scores_correct_and_wrong_answers(workdir):
@@ -71,25 +76,50 @@ def test_verl_scores_correct_and_wrong_answers(workdir):
     assert default_compute_score(row["data_source"], truth, truth) == 0.0  # no "####": format not met
 
 
-def test_manifest_and_determinism(workdir, tmp_path):
+def test_default_task_needs_carries():
+    """Three-digit addition: most problems carry, so the task is not memorised by rote and leaves RL room."""
+    spec = PrepareSpec()
+    problems = make_problems(0, spec.max_operand, spec.num_terms, {"train": 2000, "val": 0, "test": 0})["train"]
+    carries = sum(any((a // 10**d) % 10 + (b // 10**d) % 10 >= 10 for d in range(3)) for a, b in
+                  (p.terms for p in problems))  # fmt: skip
+    assert carries / len(problems) > 0.6
+    assert max(p.answer for p in problems) > 1000 and len(set(problems)) == len(problems)
+
+
+def test_warm_start_lands_in_its_band_and_records_it(workdir):
     manifest = json.loads((workdir / MANIFEST).read_text())
-    assert manifest["seed"] == 0 and manifest["spec"]["max_operand"] == 9
-    assert 0.0 <= manifest["test_accuracy"] <= 1.0 and len(manifest["warm_start_loss_first_last"]) == 2
-    prepare(tmp_path / "again", seed=0, spec=TINY_PREPARE)
-    prepare(tmp_path / "other", seed=1, spec=TINY_PREPARE)
-    same = pd.read_parquet(tmp_path / "again" / "data" / "test.parquet")
-    assert same.equals(pd.read_parquet(workdir / "data" / "test.parquet"))
+    low, high = TINY_BAND
+    assert manifest["band"] == [low, high] and low <= manifest["val_accuracy"] <= high
+    steps, accuracies = zip(*manifest["warm_start_evaluations"], strict=True)
+    assert steps[0] == 0 and steps[-1] == manifest["warm_start_steps"] and accuracies[-1] == manifest["val_accuracy"]
+    assert all(a < low or a > high for a in accuracies[:-1])  # it stopped at the first evaluation inside the band
+    assert manifest["warm_start_loss_first_last"][1] < manifest["warm_start_loss_first_last"][0]
+    assert check_prepared(workdir, band=TINY_BAND) == manifest
+    with pytest.raises(WorkdirError, match=r"warm-started into the band \[0.25, 0.6\], not \[0.3, 0.45\]"):
+        check_prepared(workdir, band=(0.3, 0.45))
+
+
+def test_unreachable_band_fails_clearly_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    spec = PrepareSpec(**{**TINY_PREPARE.__dict__, "warm_start_max_steps": 40})
+    with pytest.raises(BandMissed, match=r"stopped at its 40 steps with greedy validation accuracy .*below the band"):
+        prepare(tmp_path / "w", seed=0, spec=spec, band=(0.95, 1.0), progress=False)
+    assert not (tmp_path / "w" / MANIFEST).exists() and not (tmp_path / "w" / ".prepare-tmp").exists()
+    monkeypatch.setattr("verl_sat.embedded.prepare.prepare", functools.partial(prepare, spec=spec, progress=False))
+    assert cli.main(["prepare", "--workdir", str(tmp_path / "w"), "--band", "0.95,1.0"]) == 1
+    assert "the warm start missed its band" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["prepare", "--band", "0.6,0.2"])
+
+
+def test_determinism(workdir, tmp_path):
+    prepare(tmp_path / "again", seed=0, spec=TINY_PREPARE, band=TINY_BAND, progress=False)
+    for split in SPLITS:
+        same = pd.read_parquet(tmp_path / "again" / "data" / f"{split}.parquet")
+        assert same.to_json() == pd.read_parquet(workdir / "data" / f"{split}.parquet").to_json()
     first = AutoModelForCausalLM.from_pretrained(workdir / "model").state_dict()
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "again" / "model").state_dict()
     assert all(torch.equal(first[k], again[k]) for k in first)
-    other = pd.read_parquet(tmp_path / "other" / "data" / "test.parquet")
-    assert not other.equals(same)
-    assert not (tmp_path / "again" / ".prepare-tmp").exists()
-
-
-def test_warm_start_learns(tmp_path):
-    spec = PrepareSpec(max_operand=9, num_test=20, hidden_size=32, num_layers=2, num_experts=4,
-                       warm_start_steps=60, warm_start_batch=32, warm_start_lr=3e-3)  # fmt: skip
-    manifest = prepare(tmp_path, seed=0, spec=spec)
-    first, last = manifest["warm_start_loss_first_last"]
-    assert last < 0.5 * first
+    assert json.loads((tmp_path / "again" / MANIFEST).read_text()) == json.loads((workdir / MANIFEST).read_text())
+    other = make_problems(1, 9, 2, {"train": 60, "val": 20, "test": 20})["test"]
+    assert [p.terms for p in other] != [p.terms for p in make_problems(0, 9, 2, {"train": 60, "val": 20,
+                                                                               "test": 20})["test"]]  # fmt: skip
