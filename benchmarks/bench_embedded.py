@@ -11,17 +11,23 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Embedded engine throughput at the default config, and what asynchrony buys on this machine.
+"""Embedded engine throughput and memory at the default config: lag 0, paper lag 1 and paper lag 8 side by side.
 
-Runs ``+recipe=sat_gspo_r3`` for the same number of steps synchronously (lag 0) and at lag 1, one after the other
-in one process, without evaluation, and prints steps per minute, trainer tokens per second and the wall-time ratio
-lag 0 / lag 1 (> 1: generation overlapped with training). Prepares ``--workdir`` first if needed.
+Each lag trains ``+recipe=sat_gspo_r3`` for the same number of optimizer steps (16 prompts x 8 responses each; a
+paper-lag-8 trainer step holds 8 of them), without evaluation or checkpoints, in its own process so that its peak
+resident memory is its own. Printed per lag: optimizer steps/s, trainer tokens/s, seconds of generation per batch,
+peak RSS, and the cost of the staleness attribution (the no-grad forward of the sampling version's fp32 weights,
+timed inside every step) as a share of the step. Prepares ``--workdir`` first if needed.
 
-    python benchmarks/bench_embedded.py [--workdir verl_sat_work] [--steps 30] [--device cpu|cuda]
+    python benchmarks/bench_embedded.py [--workdir verl_sat_work] [--optimizer-steps 48] [--device cpu|cuda]
 """
 
 import argparse
+import json
+import resource
 import shutil
+import subprocess
+import sys
 import time
 
 from verl_sat.embedded import run_files
@@ -29,42 +35,70 @@ from verl_sat.embedded.prepare import WorkdirError, check_prepared, prepare
 from verl_sat.embedded.run_config import compose_train_config
 from verl_sat.embedded.train import train
 
+LAGS = {"sync": "lag 0", "lag1": "paper lag 1", "lag8": "paper lag 8"}
 
-def timed_run(workdir: str, lag: str, steps: int, device: str) -> dict:
+
+def timed_run(workdir: str, lag: str, optimizer_steps: int, device: str) -> dict:
+    """Train one lag in this process; the measured row."""
     name = f"bench-{lag}"
     shutil.rmtree(f"{workdir}/runs/{name}", ignore_errors=True)
-    config, settings = compose_train_config(workdir, [
-        "+recipe=sat_gspo_r3", f"+lag={lag}", f"trainer.total_training_steps={steps}", "trainer.test_freq=-1",
-        "trainer.val_before_train=false", "trainer.save_freq=-1", f"trainer.device={device}",
-        f"trainer.experiment_name={name}",
-    ])  # fmt: skip
+    overrides = ["+recipe=sat_gspo_r3", f"+lag={lag}", "trainer.test_freq=-1", "trainer.val_before_train=false",
+                 "trainer.save_freq=-1", f"trainer.device={device}", f"trainer.experiment_name={name}"]  # fmt: skip
+    per_step = compose_train_config(workdir, overrides)[1].schedule.sync_steps
+    if optimizer_steps % per_step:
+        raise SystemExit(f"--optimizer-steps={optimizer_steps} must be a multiple of {per_step} ({LAGS[lag]})")
+    config, settings = compose_train_config(
+        workdir, [*overrides, f"trainer.total_training_steps={optimizer_steps // per_step}"]
+    )
     start = time.perf_counter()
     train(config, settings, progress=False)
+    wall = time.perf_counter() - start
     records = [r for r in run_files.read_metrics(settings.run_dir / "metrics.jsonl") if r["step"] > 0]
     loop = sum(r["timing/step_s"] for r in records)  # trainer loop only: no loading, no final evaluation
     tokens = sum(r["perf/tokens_per_s"] * r["timing/step_s"] for r in records)
     shutil.rmtree(settings.run_dir)
-    return {"lag": lag, "wall_s": time.perf_counter() - start, "loop_s": loop, "steps_per_min": 60 * steps / loop,
-            "tokens_per_s": tokens / loop, "gen_s": sum(r["timing/gen_s"] for r in records) / steps}  # fmt: skip
+    return {
+        "lag": lag, "trainer_steps": len(records), "wall_s": wall, "loop_s": loop,
+        "optimizer_steps_per_s": optimizer_steps / loop, "tokens_per_s": tokens / loop,
+        "gen_s_per_batch": sum(r["timing/gen_s"] for r in records) / len(records),
+        "attribution_share": sum(r["timing/attribution_s"] for r in records) / loop,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="verl_sat_work")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--optimizer-steps", type=int, default=48)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--one", choices=list(LAGS), help=argparse.SUPPRESS)  # the child process of one lag
     args = parser.parse_args()
+    if args.one:
+        print(json.dumps(timed_run(args.workdir, args.one, args.optimizer_steps, args.device)))
+        return
     try:
         check_prepared(args.workdir)
     except WorkdirError:
         prepare(args.workdir)
-    rows = [timed_run(args.workdir, lag, args.steps, args.device) for lag in ("sync", "lag1")]
-    print(f"embedded engine, sat_gspo_r3, default config, {args.steps} steps, device {args.device}")
-    print(f"{'lag':<6} {'loop s':>8} {'steps/min':>10} {'tokens/s':>9} {'gen s/batch':>12}")
+    rows = []
+    for lag in LAGS:
+        command = [sys.executable, __file__, "--workdir", args.workdir, "--optimizer-steps", str(args.optimizer_steps),
+                   "--device", args.device, "--one", lag]  # fmt: skip
+        out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+    print(f"embedded engine, sat_gspo_r3, default config, {args.optimizer_steps} optimizer steps of 16 x 8 sequences "
+          f"per lag, device {args.device}")  # fmt: skip
+    print(f"{'lag':<12} {'trainer steps':>13} {'opt steps/s':>11} {'tokens/s':>9} {'gen s/batch':>11} "
+          f"{'peak RSS MB':>11} {'attribution':>11}")  # fmt: skip
     for r in rows:
-        print(f"{r['lag']:<6} {r['loop_s']:>8.1f} {r['steps_per_min']:>10.1f} {r['tokens_per_s']:>9.0f} "
-              f"{r['gen_s']:>12.2f}")  # fmt: skip
-    print(f"wall-time ratio lag 0 / lag 1 (same steps): {rows[0]['loop_s'] / rows[1]['loop_s']:.2f}x")
+        print(f"{LAGS[r['lag']]:<12} {r['trainer_steps']:>13} {r['optimizer_steps_per_s']:>11.2f} "
+              f"{r['tokens_per_s']:>9.0f} {r['gen_s_per_batch']:>11.2f} {r['peak_rss_mb']:>11.0f} "
+              f"{r['attribution_share']:>10.1%}")  # fmt: skip
+    sync, lag1, lag8 = rows
+    print(
+        f"loop-time ratio lag 0 / paper lag 1 (same optimizer steps): {sync['loop_s'] / lag1['loop_s']:.2f}x; "
+        f"lag 0 / paper lag 8: {sync['loop_s'] / lag8['loop_s']:.2f}x"
+    )
 
 
 if __name__ == "__main__":
