@@ -266,6 +266,14 @@ def test_loggers_go_through_verls_tracking(tiny_workdir):
         run(tiny_workdir, "+recipe=grpo", "trainer.experiment_name=bad-logger", "trainer.logger=[nope]", steps=1)
 
 
+def test_offline_wandb_goes_through_verls_tracking(tiny_workdir, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    settings, _, records = run(tiny_workdir, "+recipe=grpo", "+lag=sync", "trainer.experiment_name=wandb",
+                               "trainer.logger=[console,wandb]", steps=1)  # fmt: skip
+    (events,) = (settings.run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    assert b"reward/mean" in events.read_bytes() and b"verl_sat_embedded" in events.read_bytes()
+
+
 def test_resume_after_interruption(tiny_workdir, monkeypatch):
     name = ["+recipe=sat_gspo", "+lag=lag1", "trainer.experiment_name=resume", "trainer.max_actor_ckpt_to_keep=2"]
     real_step, calls = train_module.train_step, []

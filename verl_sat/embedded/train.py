@@ -89,9 +89,10 @@ def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _tracking(config: DictConfig, settings: RunSettings, first_step: int) -> Tracking:
-    """verl's ``Tracking`` with the run's backends, writing into the run folder (a resume starts a new file-logger
-    file, so nothing earlier is overwritten)."""
+    """verl's ``Tracking`` with the run's backends, writing into the run folder (TensorBoard, wandb, a file-logger
+    file per resume segment, so nothing earlier is overwritten)."""
     os.environ["TENSORBOARD_DIR"] = str(settings.run_dir / "tensorboard")
+    os.environ["WANDB_DIR"] = str(settings.run_dir)  # wandb (e.g. WANDB_MODE=offline) writes run_dir/wandb/
     (settings.run_dir / "file_logger").mkdir(exist_ok=True)
     os.environ["VERL_FILE_LOGGER_PATH"] = str(settings.run_dir / "file_logger" / f"from_step_{first_step}.jsonl")
     try:
