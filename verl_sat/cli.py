@@ -139,8 +139,9 @@ def format_summary(run_dir, summary: dict) -> str:
         f"  test accuracy (avg@k): start {pct(summary['initial_accuracy'])}, best {pct(summary['best_accuracy'])} "
         f"at step {summary['best_step']}, last {pct(summary['last_accuracy'])} at step {summary['last_step']}",
         f"  collapsed: {summary['collapsed']} ({summary['collapse_rule']})",
-        f"  last-epoch mismatch |log pi - log mu| {num(summary['last_epoch_mismatch'])} = policy lag "
-        f"{num(summary['last_policy_lag'])} + engine {num(summary['last_engine_mismatch'])} (mean |.| of each part)",
+        f"  last-epoch mismatch |log pi - log mu| {num(summary['last_epoch_mismatch'])}, split d = policy lag + "
+        f"engine (Eq. 2): |policy lag| {num(summary['last_policy_lag'])}, |engine| "
+        f"{num(summary['last_engine_mismatch'])} (mean |.| of each part)",
     ]
     if summary.get("last_intercepted_frac") is not None:
         lines.append(f"  SAT intercepted fraction {num(summary['last_intercepted_frac'])}")
