@@ -155,15 +155,17 @@ def test_realised_gaps_are_exact(tiny_workdir, lag, versions, gaps):
     assert [r[run_files.OPTIMIZER_STEP] for r in steps] == [len(gaps[0]) * r["step"] for r in steps]
 
 
-@pytest.mark.parametrize(("lag", "batch", "trainer_steps"), [("sync", 16, 400), ("lag1", 16, 400), ("lag8", 128, 50),
-                                                              ("fixed8", 16, 400)])  # fmt: skip
+@pytest.mark.parametrize(("lag", "batch", "trainer_steps"), [("sync", 16, 200), ("lag1", 16, 200), ("lag8", 128, 25),
+                                                              ("fixed8", 16, 200)])  # fmt: skip
 def test_embedded_defaults_keep_the_optimizer_step_across_lags(tiny_workdir, lag, batch, trainer_steps):
-    """16 prompts per optimizer step, 400 optimizer steps at every lag (evaluation every 40, checkpoints every 80)."""
+    """16 prompts per optimizer step, 200 optimizer steps at every lag (evaluation and checkpoints every 40), at
+    the calibrated learning rate."""
     config, settings = compose_train_config(tiny_workdir, ["+recipe=grpo", f"+lag={lag}"])
     per_step = settings.schedule.sync_steps
     assert (config.data.train_batch_size, config.actor_rollout_ref.actor.ppo_mini_batch_size) == (batch, 16)
-    assert (settings.total_steps, settings.total_steps * per_step) == (trainer_steps, 400)
-    assert (settings.test_freq * per_step, settings.save_freq * per_step) == (40, 80)
+    assert (settings.total_steps, settings.total_steps * per_step) == (trainer_steps, 200)
+    assert (settings.test_freq * per_step, settings.save_freq * per_step) == (40, 40)
+    assert config.actor_rollout_ref.actor.optim.lr == 3e-5
 
 
 # ---- KL, TIS, attribution ------------------------------------------------------------------------------------------
