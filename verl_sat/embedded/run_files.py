@@ -39,9 +39,11 @@ MISMATCH = "actor/mismatch_abs_log_ratio"  # mean |log_prob - mu| of the step's 
 POLICY_LAG = "staleness/policy_abs_mean"  # mean |log pi(j) - log pi(l)|
 ENGINE_MISMATCH = "staleness/engine_abs_mean"  # mean |log pi(l) - log mu|
 INTERCEPTED = "actor/sat_intercepted_frac"
+GATE_RATE = "actor/sat_gate_rate"
+SAT_Q = "actor/sat_q"
 # summary key -> metric averaged over the last MISMATCH_TAIL of the steps
 TAIL_MEANS = {"last_epoch_mismatch": MISMATCH, "last_policy_lag": POLICY_LAG, "last_engine_mismatch": ENGINE_MISMATCH,
-              "last_intercepted_frac": INTERCEPTED}  # fmt: skip
+              "last_intercepted_frac": INTERCEPTED, "last_gate_rate": GATE_RATE, "last_q": SAT_Q}  # fmt: skip
 COLLAPSE_RATIO = 0.5  # collapsed: last accuracy < COLLAPSE_RATIO x best accuracy
 MISMATCH_TAIL = 0.1  # last-epoch mismatch of a run: mean over its last 10% of steps
 
@@ -103,10 +105,11 @@ def checkpoints(folder: Path) -> list[Path]:
     return sorted(folder.glob("global_step_*.pt"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
 
 
-def summarize(records: list[dict], total_steps: int) -> dict:
+def summarize(records: list[dict], total_steps: int, radius: float | None = None) -> dict:
     """Best and last accuracy with their steps, the collapse flag (``last < COLLAPSE_RATIO * best``), and the means
-    over the last ``MISMATCH_TAIL`` of the steps of the mismatch, its split and SAT's intercepted fraction (``None``
-    where the run does not log them)."""
+    over the last ``MISMATCH_TAIL`` of the steps of the mismatch, its split and SAT's intercepted fraction, gate rate
+    and tail quantile ``q`` (``None`` where the run does not log them), and ``q / radius`` (the upper clip radius
+    ``eps_hi``) when ``radius`` is given."""
     evals = [(r["step"], r[ACCURACY]) for r in records if ACCURACY in r]
     steps = [r for r in records if MISMATCH in r]
     tail = steps[-max(1, math.ceil(MISMATCH_TAIL * len(steps))) :] if steps else []
@@ -127,6 +130,8 @@ def summarize(records: list[dict], total_steps: int) -> dict:
         "collapsed": bool(evals) and last < COLLAPSE_RATIO * best,
         "collapse_rule": f"last accuracy < {COLLAPSE_RATIO} x best accuracy",
         **tail_means,
+        "radius": radius,
+        "last_q_over_radius": None if tail_means["last_q"] is None or not radius else tail_means["last_q"] / radius,
     }
 
 

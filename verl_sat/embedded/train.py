@@ -130,7 +130,7 @@ def train(config: DictConfig, settings: RunSettings, progress: bool = True) -> d
         store.publish(0, model.state_dict())
     log = run_files.MetricsLog(run_dir / "metrics.jsonl", resume_step=done)
     if done >= settings.total_steps:
-        return _finish(run_dir, log.records, settings)
+        return _finish(run_dir, log.records, settings, actor.clip_ratio_high)
 
     engine = RolloutEngine(copy.deepcopy(model), tokenizer, train_prompts, settings)
     policy = Policy(model, RoutingReplay.attach(model) if settings.routing_replay else None)
@@ -196,15 +196,15 @@ def train(config: DictConfig, settings: RunSettings, progress: bool = True) -> d
     finally:
         worker.stop()
         tracker.finish()
-    return _finish(run_dir, log.records, settings)
+    return _finish(run_dir, log.records, settings, actor.clip_ratio_high)
 
 
 def _due(step: int, freq: int, total: int) -> bool:
     return step == total or (freq > 0 and step % freq == 0)
 
 
-def _finish(run_dir: Path, records: list[dict], settings: RunSettings) -> dict:
-    summary = run_files.summarize(records, settings.total_steps)
+def _finish(run_dir: Path, records: list[dict], settings: RunSettings, radius: float) -> dict:
+    summary = run_files.summarize(records, settings.total_steps, radius)
     run_files.write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
     run_files.plot_curves(records, run_dir / "curves.png", run_dir.name)
     return summary
