@@ -11,8 +11,9 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""``verl-sat sweep``: a tiny real sweep writes the table and plots, aggregation matches hand-computed values, and a
-re-run re-uses finished cells."""
+"""``verl-sat sweep`` and ``verl-sat report``: a tiny real sweep writes the table and plots, aggregation and the
+paired statistic match hand-computed values, a re-run re-uses finished cells, and a cell store carries finished cells
+to another sweep without running them again."""
 
 import csv
 import json
@@ -22,7 +23,8 @@ import pytest
 
 from verl_sat import cli
 from verl_sat.embedded import sweep as sweep_module
-from verl_sat.embedded.sweep import Cell, aggregate, mean_se, sweep, write_results
+from verl_sat.embedded.report import aggregate, mean_se, paired, paired_t_test, write_report
+from verl_sat.embedded.sweep import Cell, StoreMismatch, parse_lag, sweep
 
 TINY_RUN = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.val_kwargs.n=1",
             "trainer.total_training_steps=2", "trainer.test_freq=1"]  # fmt: skip
@@ -30,27 +32,43 @@ TINY_RUN = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_r
 
 @pytest.fixture(scope="module")
 def tiny_sweep(tiny_workdir):
-    out = sweep(tiny_workdir, ["grpo", "sat_gspo"], [0, 1], [0, 1], TINY_RUN, name="tiny", jobs=2, progress=False)
+    out = sweep(tiny_workdir, ["grpo", "sat_gspo"], [0, 1, "fixed2"], [0, 1], TINY_RUN, name="tiny", jobs=2,
+                progress=False, store=tiny_workdir / "store")  # fmt: skip
     return tiny_workdir, out
 
 
 def test_tiny_sweep_writes_table_and_plots(tiny_sweep):
     workdir, out = tiny_sweep
     results = json.loads((out / "results.json").read_text())
-    assert [(r["recipe"], r["lag"], r["seeds"]) for r in results["rows"]] == [
-        ("grpo", 0, 2), ("grpo", 1, 2), ("sat_gspo", 0, 2), ("sat_gspo", 1, 2)]  # fmt: skip
-    assert "--recipes grpo,sat_gspo --lags 0,1 --seeds 0,1" in results["command"]
+    assert sorted((r["recipe"], r["lag_label"], r["lag_regime"], r["seeds"]) for r in results["rows"]) == [
+        ("grpo", "fixed2", "fixed", 2), ("grpo", "lag0", "sync", 2), ("grpo", "lag1", "paper", 2),
+        ("sat_gspo", "fixed2", "fixed", 2), ("sat_gspo", "lag0", "sync", 2),
+        ("sat_gspo", "lag1", "paper", 2)]  # fmt: skip
+    assert "--recipes grpo,sat_gspo --lags 0,1,fixed2 --seeds 0,1" in results["command"][0]
     for row in results["rows"]:  # the row is the aggregate of the cells' own summaries
-        cells = [json.loads((workdir / "runs" / "tiny" / f"{row['recipe']}-lag{row['lag']}-s{s}" / "summary.json")
+        cells = [json.loads((workdir / "runs" / "tiny" / f"{row['recipe']}-{row['lag_label']}-s{s}" / "summary.json")
                             .read_text()) for s in (0, 1)]  # fmt: skip
         assert row["best_accuracy"] == pytest.approx(sum(c["best_accuracy"] for c in cells) / 2)
         assert row["collapsed"] == sum(c["collapsed"] for c in cells)
+        assert row["policy_lag_abs_mean"] == pytest.approx(sum(c["last_policy_lag"] for c in cells) / 2)
+        assert row["engine_abs_mean"] == pytest.approx(sum(c["last_engine_mismatch"] for c in cells) / 2)
+        sat_fields = ("intercepted_frac", "gate_rate", "q_over_radius")
+        if row["recipe"] == "sat_gspo":  # SAT's diagnostics; q over the recipe's 0.2 radius
+            assert all(row[f] is not None for f in sat_fields)
+            q = sum(c["last_q"] for c in cells) / 2
+            assert row["q_over_radius"] == pytest.approx(q / 0.2) and cells[0]["radius"] == 0.2
+        else:
+            assert all(row[f] is None for f in sat_fields)
+    assert {(e["recipe"], e["base"], e["lag_label"], tuple(e["seeds"])) for e in results["paired"]} == {
+        ("sat_gspo", "gspo", label, (0, 1)) for label in ()
+    }  # gspo was not run: nothing to pair sat_gspo with
     table = (out / "results.md").read_text()
-    assert "| grpo |" in table and "| sat_gspo |" in table and "lag 1: best acc" in table
+    assert "| grpo | 2 |" in table and "| sat_gspo | 2 |" in table and "## lag1 (paper lag" in table
+    assert "## fixed2 (fixed lag" in table
     assert "Paper, Table 1" in table and "| sat_gspo | 34.17 | 32.71 |" in table
     with (out / "results.csv").open() as f:
-        assert len(list(csv.DictReader(f))) == 4
-    for plot in ("curves_lag0.png", "curves_lag1.png", "mismatch.png"):
+        assert len(list(csv.DictReader(f))) == 6
+    for plot in ("curves_lag0.png", "curves_lag1.png", "curves_fixed2.png", "mismatch.png", "attribution.png"):
         assert (out / plot).stat().st_size > 10_000
     lag1 = [json.loads(line) for line in (workdir / "runs" / "tiny" / "sat_gspo-lag1-s1" / "metrics.jsonl").open()]
     assert [r.get("rollout/version_gap") for r in lag1] == [None, 0, 1] and "actor/sat_gate_rate" in lag1[-1]
@@ -67,47 +85,112 @@ def test_rerun_reuses_finished_cells(tiny_sweep, monkeypatch):
 
     monkeypatch.setattr(sweep_module.subprocess, "run", counting_run)
     (workdir / "runs" / "tiny" / "grpo-lag1-s0" / "summary.json").unlink()  # as if interrupted before the end
+    (workdir / "store" / "grpo-lag1-s0.json").unlink()
     before = (out / "results.json").read_text()
-    sweep(workdir, ["grpo", "sat_gspo"], [0, 1], [0, 1], TINY_RUN, name="tiny", jobs=2, progress=False)
+    sweep(workdir, ["grpo", "sat_gspo"], [0, 1, "fixed2"], [0, 1], TINY_RUN, name="tiny", jobs=2, progress=False,
+          store=workdir / "store")  # fmt: skip
     assert len(calls) == 1 and "trainer.experiment_name=tiny/grpo-lag1-s0" in calls[0]
     assert (out / "results.json").read_text() == before  # the cell resumed from its final checkpoint, unchanged
 
 
-def summary(best, last, mismatch):
-    return {"best_accuracy": best, "last_accuracy": last, "collapsed": last < 0.5 * best,
-            "last_epoch_mismatch": mismatch, "steps_done": 10, "total_steps": 10}  # fmt: skip
+def test_store_carries_cells_to_another_sweep(tiny_sweep, monkeypatch):
+    """A fresh sweep (another name, as on another machine) takes every cell from the store without running it and
+    writes the same rows; a store made with other overrides is refused before anything runs."""
+    workdir, out = tiny_sweep
+
+    def no_run(command, **kwargs):
+        raise AssertionError(f"ran {command}")
+
+    monkeypatch.setattr(sweep_module.subprocess, "run", no_run)
+    again = sweep(workdir, ["grpo", "sat_gspo"], [0, 1, "fixed2"], [0, 1], TINY_RUN, name="elsewhere",
+                  progress=False, store=workdir / "store")  # fmt: skip
+    rows = json.loads((again / "results.json").read_text())["rows"]
+    assert rows == json.loads((out / "results.json").read_text())["rows"]
+    record = json.loads((workdir / "store" / "sat_gspo-lag1-s1.json").read_text())
+    assert record["cell"] == {"recipe": "sat_gspo", "lag": 1, "seed": 1, "regime": "paper"}
+    assert record["accuracy"][0][0] == 0 and record["split"] and record["overrides"] == TINY_RUN
+    with pytest.raises(StoreMismatch, match="data.train_batch_size=4"):
+        sweep(workdir, ["grpo"], [1], [0], TINY_RUN[1:], name="other", progress=False, store=workdir / "store")
+    with pytest.raises(StoreMismatch, match="--optimizer-steps 7"):
+        sweep(workdir, ["grpo"], [1], [0], TINY_RUN, name="other", progress=False, store=workdir / "store",
+              optimizer_steps=7)  # fmt: skip
+    assert cli.main(["report", "--store", str(workdir / "store"), "--out", str(workdir / "report")]) == 0
+    assert json.loads((workdir / "report" / "results.json").read_text())["rows"] == rows
+
+
+def record(recipe, lag, seed, best, last, mismatch, regime="paper", **extra):
+    return {"cell": {"recipe": recipe, "lag": lag, "seed": seed, "regime": regime}, "overrides": [],
+            "summary": {"best_accuracy": best, "last_accuracy": last, "collapsed": last < 0.5 * best,
+                        "last_epoch_mismatch": mismatch, "steps_done": 10, "total_steps": 10, **extra},
+            "accuracy": [[0, 0.2], [10, best]], "split": [[10, mismatch, mismatch, 0.004]]}  # fmt: skip
 
 
 def test_aggregation_by_hand(tmp_path):
-    summaries = {
-        Cell("grpo", 8, 0): summary(0.30, 0.10, 0.2),  # collapsed
-        Cell("grpo", 8, 1): summary(0.40, 0.35, 0.4),
-        Cell("grpo", 8, 2): summary(0.20, 0.05, 0.3),  # collapsed
-        Cell("sat_gspo_r3", 8, 0): summary(0.50, 0.45, 0.1),
-    }
-    grpo, sat = aggregate(summaries)
+    records = [
+        record("grpo", 8, 0, 0.30, 0.10, 0.2),  # collapsed
+        record("grpo", 8, 1, 0.40, 0.35, 0.4),
+        record("grpo", 8, 2, 0.20, 0.05, 0.3),  # collapsed
+        record("sat_gspo_r3", 8, 0, 0.50, 0.45, 0.1, last_q=0.05, last_q_over_radius=0.25),
+    ]
+    grpo, sat = aggregate(records)
     assert grpo["best_accuracy"] == pytest.approx(0.30)
     assert grpo["best_accuracy_se"] == pytest.approx(math.sqrt(((0.0) ** 2 + 0.1**2 + 0.1**2) / 2 / 3))  # 0.0577
     assert grpo["last_accuracy"] == pytest.approx(0.50 / 3)
     assert grpo["collapsed"] == 2 and grpo["seeds"] == 3
-    assert grpo["last_epoch_mismatch"] == pytest.approx(0.3)
-    assert (sat["best_accuracy"], sat["best_accuracy_se"], sat["collapsed"]) == (0.5, 0.0, 0)
+    assert grpo["last_epoch_mismatch"] == pytest.approx(0.3) and grpo["q_over_radius"] is None
+    assert (sat["best_accuracy"], sat["best_accuracy_se"], sat["collapsed"], sat["q_over_radius"]) == (0.5, 0, 0, 0.25)
     assert mean_se([1.0, 2.0, 3.0, 4.0]) == pytest.approx((2.5, math.sqrt(5 / 3) / 2))
-    write_results(tmp_path, [grpo, sat], "verl-sat sweep ...", [8], [])
+    write_report(tmp_path, records, ["verl-sat sweep ..."])
     table = (tmp_path / "results.md").read_text()
-    assert "| grpo | 30.0 ± 5.8 | 16.7 ± 9.3 | 2/3 | 0.3000 |" in table
-    assert "| sat_gspo_r3 | 50.0 ± 0.0 | 45.0 ± 0.0 | 0/1 | 0.1000 |" in table
+    assert "| grpo | 3 | 30.0 ± 5.8 | 16.7 ± 9.3 | 2/3 | 0.3000 | - | - | - |" in table
+    assert "| sat_gspo_r3 | 1 | 50.0 ± 0.0 | 45.0 ± 0.0 | 0/1 | 0.1000 | - | - | 0.250 |" in table
     assert "| grpo | 31.25 | 30.17 then collapse |" in table
+
+
+def test_paired_statistic_by_hand():
+    """SAT minus base per seed, only on the seeds both ran; the t-test against the closed form for 2 degrees of
+    freedom, p = 1 - t / sqrt(2 + t^2)."""
+    records = [record("gspo", 8, s, b, b, 0.1) for s, b in ((0, 0.30), (1, 0.40), (2, 0.20), (3, 0.5))]
+    records += [record("sat_gspo", 8, s, b, b - 0.1, 0.1) for s, b in ((0, 0.40), (1, 0.60), (2, 0.50), (4, 0.9))]
+    records += [record("sat_gspo", 1, 0, 0.4, 0.4, 0.1)]  # no base at lag 1: no entry
+    (entry,) = paired(records)
+    assert (entry["recipe"], entry["base"], entry["lag_label"], entry["seeds"]) == (
+        "sat_gspo",
+        "gspo",
+        "lag8",
+        [0, 1, 2],
+    )
+    assert entry["mean_diff"] == pytest.approx(0.2) and (entry["wins"], entry["losses"]) == (3, 0)
+    t = 0.2 / (0.1 / math.sqrt(3))
+    assert entry["t"] == pytest.approx(t) and entry["p_value"] == pytest.approx(1 - t / math.sqrt(2 + t * t))
+    assert entry["last_mean_diff"] == pytest.approx(0.1)
+    assert paired_t_test([0.1]) == (None, None) and paired_t_test([0.0, 0.0]) == (0.0, 1.0)
+    assert paired_t_test([0.1, -0.1])[1] == pytest.approx(1.0)
 
 
 def test_lag_cells_map_onto_the_lag_files():
     assert Cell("grpo", 0, 3).overrides("s")[:3] == ["+recipe=grpo", "+lag=sync", "data.seed=3"]
     assert Cell("grpo", 8, 0).overrides("s")[1] == "+lag=lag8"
     assert Cell("grpo", 4, 0).overrides("s")[1:3] == ["+lag=lag1", "trainer.v1.separate_async.parameter_sync_step=4"]
+    assert Cell("grpo", 8, 0, "fixed").overrides("s")[1:3] == ["+lag=fixed8", "data.seed=0"]
+    assert Cell("grpo", 3, 0, "fixed").overrides("s")[1:4] == [
+        "+lag=fixed8",
+        "trainer.v1.separate_async.num_warmup_batches=3",
+        "trainer.v1.sampler.max_off_policy_threshold=4",
+    ]
+    assert Cell("grpo", 8, 0, "fixed").name == "grpo-fixed8-s0" and Cell("grpo", 8, 0).name == "grpo-lag8-s0"
+    # equal optimizer steps: 8 per trainer step at paper lag 8, 1 otherwise
+    assert Cell("grpo", 8, 0).overrides("s", 200)[-1] == "trainer.total_training_steps=25"
+    assert Cell("grpo", 8, 0, "fixed").overrides("s", 200)[-1] == "trainer.total_training_steps=200"
+    assert (parse_lag("8"), parse_lag("fixed8")) == ((8, "paper"), (8, "fixed"))
+    with pytest.raises(ValueError, match="fixedL"):
+        parse_lag("fixed")
 
 
 def test_sweep_checks_every_recipe_before_running(tiny_workdir, capsys):
     assert cli.main(["sweep", "--workdir", str(tiny_workdir), "--recipes", "grpo,nope", "--lags", "1"]) == 2
     assert "nope" in capsys.readouterr().err
     assert cli.main(["sweep", "--workdir", str(tiny_workdir), "--lags", "one"]) == 2
-    assert "comma-separated integers" in capsys.readouterr().err
+    assert "comma-separated integers or fixedL" in capsys.readouterr().err
+    assert cli.main(["report", "--store", str(tiny_workdir / "nowhere"), "--out", str(tiny_workdir / "r")]) == 2
+    assert "no such folder" in capsys.readouterr().err

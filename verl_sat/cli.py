@@ -47,10 +47,21 @@ def main(argv: list[str] | None = None) -> int:
     grid.add_argument("--recipes", default="grpo,gspo,dppo,sat_gspo,gspo_r3,sat_grpo_r3,sat_gspo_r3",
                       help="comma-separated recipe names (default: the paper's seven)")  # fmt: skip
     grid.add_argument("--lags", default="1,8", help="comma-separated paper lags n: optimizer steps per weight "
-                      "broadcast, rollout one batch ahead (0 = synchronous; default 1,8)")  # fmt: skip
+                      "broadcast, rollout one batch ahead (0 = synchronous), or fixedL: an exact gap of L optimizer "
+                      "steps (default 1,8)")  # fmt: skip
     grid.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     grid.add_argument("--jobs", type=int, default=1, help="cells run in parallel processes (default 1)")
+    grid.add_argument("--optimizer-steps", type=int, default=None,
+                      help="optimizer steps per run at every lag (default: the engine's, 200)")  # fmt: skip
+    grid.add_argument("--store", default=None, help="folder of finished cells' records: cells found there are "
+                      "not run again, new ones are added (commit it to continue a sweep elsewhere)")  # fmt: skip
     grid.add_argument("overrides", nargs="*", help="Hydra overrides applied to every run")
+    rep = commands.add_parser("report", help="tables, paired statistics and plots from the cell records of sweeps")
+    rep.add_argument("--store", action="append", required=True, help="a folder of cell records (repeatable)")
+    rep.add_argument("--out", required=True, help="output folder: results.json/.md/.csv and plots")
+    rep.add_argument(
+        "--command", dest="made_by", action="append", default=[], help="a command that made the records (repeatable)"
+    )
     args = parser.parse_args(argv)
     if args.command == "doctor":
         return run_doctor()
@@ -63,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args.workdir, args.overrides)
     if args.command == "sweep":
         return _sweep(args)
+    if args.command == "report":
+        return _report(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 
@@ -152,27 +165,52 @@ def format_summary(run_dir, summary: dict) -> str:
 def _sweep(args: argparse.Namespace) -> int:
     from verl_sat.embedded.prepare import WorkdirError, check_prepared
     from verl_sat.embedded.run_config import EmbeddedConfigError, compose_train_config
-    from verl_sat.embedded.sweep import Cell, sweep
+    from verl_sat.embedded.sweep import Cell, StoreMismatch, parse_lag, sweep
 
     try:
         recipes = [r for r in args.recipes.split(",") if r]
-        lags = [int(v) for v in args.lags.split(",")]
+        lags = [v for v in args.lags.split(",") if v]
+        lag_specs = [parse_lag(v) for v in lags]
         seeds = [int(v) for v in args.seeds.split(",")]
     except ValueError as err:
-        print(f"verl-sat sweep: --lags and --seeds take comma-separated integers ({err})", file=sys.stderr)
+        print(f"verl-sat sweep: --lags takes comma-separated integers or fixedL, --seeds integers ({err})",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.optimizer_steps is not None and args.optimizer_steps < 1:
+        print(f"verl-sat sweep: --optimizer-steps {args.optimizer_steps}: expected a positive integer", file=sys.stderr)
         return 2
     try:
         check_prepared(args.workdir)
         for recipe in recipes:  # fail before the first cell runs: unknown recipe or key, bad value
-            compose_train_config(
-                args.workdir, [*Cell(recipe, max(lags), seeds[0]).overrides(args.name), *args.overrides]
-            )
-    except (EmbeddedConfigError, WorkdirError) as err:
+            for lag, regime in lag_specs:
+                cell = Cell(recipe, lag, seeds[0], regime)
+                compose_train_config(args.workdir, [*cell.overrides(args.name, args.optimizer_steps), *args.overrides])
+        out = sweep(args.workdir, recipes, lags, seeds, args.overrides, name=args.name, jobs=args.jobs,
+                    optimizer_steps=args.optimizer_steps, store=args.store)  # fmt: skip
+    except (EmbeddedConfigError, WorkdirError, StoreMismatch) as err:
         print(f"verl-sat sweep: {err}", file=sys.stderr)
         return 2
-    out = sweep(args.workdir, recipes, lags, seeds, args.overrides, name=args.name, jobs=args.jobs)
     print((out / "results.md").read_text())
-    print(f"plots: {out}/curves_lag*.png, {out}/mismatch.png")
+    print(f"plots: {out}/curves_*.png, {out}/mismatch.png, {out}/attribution.png")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from verl_sat.embedded.report import read_records, write_report
+
+    try:
+        records = read_records(args.store)
+    except FileNotFoundError as err:
+        print(f"verl-sat report: {err}", file=sys.stderr)
+        return 2
+    if not records:
+        print(f"verl-sat report: no cell records in {', '.join(args.store)}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    write_report(out, records, args.made_by)
+    print((out / "results.md").read_text())
     return 0
 
 

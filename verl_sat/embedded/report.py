@@ -1,0 +1,327 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""The report of a set of sweep cells (``verl-sat sweep``, ``verl-sat report``): rows, paired statistics, tables and
+plots, computed only from the cells' records (``verl_sat.embedded.sweep.make_record``).
+
+A row is one (recipe, lag, settings), settings being the sweep's overrides and ``--optimizer-steps``; a paired entry
+compares a SAT recipe with its base recipe on the seeds both ran with the same lag and settings (two-sided paired
+t-test on the per-seed difference). Output in ``OUT/``:
+``results.json`` (``command``, ``rows``, ``paired``), ``results.csv``, ``results.md``, ``curves_<lag>.png``,
+``mismatch.png``, ``attribution.png`` and, when there are paired entries, ``regime_map.png``.
+"""
+
+import csv
+import io
+import json
+import math
+from pathlib import Path
+
+import mpmath
+
+from verl_sat.embedded import run_files
+from verl_sat.recipe_catalog import PAPER_TABLE_1
+
+# SAT recipe -> the recipe it changes only by its loss
+SAT_BASE = {"sat_grpo": "grpo", "sat_gspo": "gspo", "sat_grpo_r3": "grpo_r3", "sat_gspo_r3": "gspo_r3"}
+# row field -> summary key, averaged over seeds (None where the runs do not log it, e.g. SAT's metrics off SAT)
+ROW_MEANS = {
+    "last_epoch_mismatch": "last_epoch_mismatch",
+    "intercepted_frac": "last_intercepted_frac",
+    "gate_rate": "last_gate_rate",
+    "q_over_radius": "last_q_over_radius",
+    "policy_lag_abs_mean": "last_policy_lag",
+    "engine_abs_mean": "last_engine_mismatch",
+}
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error (sample standard deviation / sqrt(n); 0 for one value)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, 0.0
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
+def _mean_or_none(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def paired_t_test(differences: list[float]) -> tuple[float | None, float | None]:
+    """``(t, two-sided p)`` of the paired t-test on per-seed differences; ``(None, None)`` below two pairs. With no
+    spread, ``p`` is 1 for a zero mean and 0 otherwise."""
+    n = len(differences)
+    if n < 2:
+        return None, None
+    mean = sum(differences) / n
+    sd = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1))
+    if sd == 0:
+        return (0.0, 1.0) if mean == 0 else (math.copysign(math.inf, mean), 0.0)
+    t = mean / (sd / math.sqrt(n))
+    df = n - 1
+    return t, float(mpmath.betainc(df / 2, 0.5, 0, df / (df + t * t), regularized=True))
+
+
+def settings(record: dict) -> tuple[str, ...]:
+    """What a cell was run with beyond recipe, lag and seed: the sweep's overrides, and its ``--optimizer-steps``
+    when it set them."""
+    steps = record.get("optimizer_steps")
+    return (*record["overrides"], *([f"--optimizer-steps {steps}"] if steps else []))
+
+
+def _key(record: dict) -> tuple:
+    cell = record["cell"]
+    return cell["recipe"], cell["regime"], cell["lag"], settings(record)
+
+
+def _lag_label(regime: str, lag: int) -> str:
+    return f"{'fixed' if regime == 'fixed' else 'lag'}{lag}"
+
+
+def _order(record: dict) -> tuple:
+    """Table 1's row order, then lag (paper before fixed), settings and seed."""
+    cell, rows = record["cell"], list(PAPER_TABLE_1)
+    rank = rows.index(cell["recipe"]) if cell["recipe"] in rows else len(rows)
+    return rank, cell["recipe"], cell["regime"] != "paper", cell["lag"], settings(record), cell["seed"]
+
+
+def _groups(records: list[dict]) -> dict[tuple, list[dict]]:
+    """Records by (recipe, regime, lag, settings), in ``_order``."""
+    groups: dict[tuple, list[dict]] = {}
+    for record in sorted(records, key=_order):
+        groups.setdefault(_key(record), []).append(record)
+    return groups
+
+
+def aggregate(records: list[dict]) -> list[dict]:
+    """One row per (recipe, lag, settings): best / last accuracy mean and standard error over seeds, collapse
+    count, and the seed means of the last-steps mismatch, its split and SAT's diagnostics."""
+    rows = []
+    for (recipe, regime, lag, settings_), group in _groups(records).items():
+        summaries = [r["summary"] for r in group]
+        best, best_se = mean_se([s["best_accuracy"] for s in summaries])
+        last, last_se = mean_se([s["last_accuracy"] for s in summaries])
+        rows.append({
+            "recipe": recipe, "lag": lag, "lag_regime": "sync" if lag == 0 else regime,
+            "lag_label": _lag_label(regime, lag), "settings": list(settings_),
+            "seeds": len(group), "seed_list": [r["cell"]["seed"] for r in group],
+            "best_accuracy": best, "best_accuracy_se": best_se, "last_accuracy": last, "last_accuracy_se": last_se,
+            "collapsed": sum(bool(s["collapsed"]) for s in summaries),
+            **{field: _mean_or_none([s.get(key) for s in summaries]) for field, key in ROW_MEANS.items()},
+        })  # fmt: skip
+    return rows
+
+
+def paired(records: list[dict]) -> list[dict]:
+    """One entry per SAT recipe against its base recipe, per lag and settings, on the seeds both have: the mean
+    per-seed difference of best and of last accuracy, the paired t-test's p-value, and SAT's wins."""
+    groups = _groups(records)
+    entries = []
+    for (recipe, regime, lag, settings_), group in groups.items():
+        base_group = groups.get((SAT_BASE.get(recipe), regime, lag, settings_))
+        if base_group is None:
+            continue
+        base_by_seed = {r["cell"]["seed"]: r["summary"] for r in base_group}
+        pairs = [(r["summary"], base_by_seed[r["cell"]["seed"]]) for r in group if r["cell"]["seed"] in base_by_seed]
+        entry = {"recipe": recipe, "base": SAT_BASE[recipe], "lag": lag, "lag_regime": "sync" if lag == 0 else regime,
+                 "lag_label": _lag_label(regime, lag), "settings": list(settings_),
+                 "seeds": sorted(r["cell"]["seed"] for r in group if r["cell"]["seed"] in base_by_seed)}  # fmt: skip
+        for metric, prefix in (("best_accuracy", ""), ("last_accuracy", "last_")):
+            diffs = [sat[metric] - base[metric] for sat, base in pairs]
+            t, p = paired_t_test(diffs)
+            entry |= {f"{prefix}mean_diff": sum(diffs) / len(diffs), f"{prefix}t": t, f"{prefix}p_value": p,
+                      f"{prefix}wins": sum(d > 0 for d in diffs),
+                      f"{prefix}losses": sum(d < 0 for d in diffs)}  # fmt: skip
+        entry["q_over_radius"] = _mean_or_none([sat.get("last_q_over_radius") for sat, _ in pairs])
+        entry["intercepted_frac"] = _mean_or_none([sat.get("last_intercepted_frac") for sat, _ in pairs])
+        entries.append(entry)
+    return entries
+
+
+def write_report(out: Path, records: list[dict], commands: list[str], failed: list[str] = ()) -> None:
+    """Everything in the module docstring, from ``records``."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows, pairs = aggregate(records), paired(records)
+    results = {"command": commands, "rows": rows, "paired": pairs}
+    run_files.write_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]) if rows else ["recipe"])
+    writer.writeheader()
+    writer.writerows(rows)
+    run_files.write_atomic(out / "results.csv", buffer.getvalue())
+    run_files.write_atomic(out / "results.md", results_markdown(rows, pairs, commands, failed))
+    plot_report(out, records, rows, pairs)
+
+
+def _pct(value: float | None, se: float | None = None) -> str:
+    if value is None:
+        return "-"
+    return f"{100 * value:.1f}" + ("" if se is None else f" ± {100 * se:.1f}")
+
+
+def _num(value: float | None, digits: int = 4) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _p(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def results_markdown(rows: list[dict], pairs: list[dict], commands: list[str], failed: list[str] = ()) -> str:
+    """Our table (one per lag and settings), the paired comparisons, then the paper's Table 1, never mixed."""
+    lines = ["# Sweep results", "", "Commands:", "", "```bash", *commands, "```", "",
+             "Accuracy: test avg@k, mean ± standard error over seeds (in %). Collapsed: runs whose last accuracy is "
+             f"below {run_files.COLLAPSE_RATIO} x their best. Every other column is the seed mean of the run's mean "
+             f"over its last {run_files.MISMATCH_TAIL:.0%} of steps: d̄π = mean |log π - log μ| of the last training "
+             "epoch (Eq. 52), gate = SAT's gate rate, intercepted = tokens SAT clips that the nominal interval "
+             "would not, q/ε = SAT's tail quantile over the upper radius, Δπ and Δimpl = the mean absolute value of "
+             "each part of the split of Eq. 2 (policy lag, engine). '-': not logged by the recipe (SAT's metrics) "
+             "or not run.", ""]  # fmt: skip
+    tables: dict[tuple, list[dict]] = {}
+    for row in rows:
+        tables.setdefault((row["lag_label"], tuple(row["settings"])), []).append(row)
+    for (label, settings_), group in tables.items():
+        extra = f", settings `{' '.join(settings_)}`" if settings_ else ""
+        lines += [f"## {label} ({group[0]['lag_regime']} lag{extra})", "",
+                  "| recipe | seeds | best acc | last acc | collapsed | d̄π | gate | intercepted | q/ε | Δπ | Δimpl |",
+                  "|---" * 11 + "|"]  # fmt: skip
+        lines += [f"| {r['recipe']} | {r['seeds']} | {_pct(r['best_accuracy'], r['best_accuracy_se'])} | "
+                  f"{_pct(r['last_accuracy'], r['last_accuracy_se'])} | {r['collapsed']}/{r['seeds']} | "
+                  f"{_num(r['last_epoch_mismatch'])} | {_num(r['gate_rate'], 3)} | {_num(r['intercepted_frac'])} | "
+                  f"{_num(r['q_over_radius'], 3)} | {_num(r['policy_lag_abs_mean'])} | {_num(r['engine_abs_mean'])} |"
+                  for r in group]  # fmt: skip
+        lines.append("")
+    if pairs:
+        lines += ["## SAT against its base recipe, paired by seed", "",
+                  "Difference SAT - base in accuracy points, mean over the seeds both ran; p: two-sided paired t-test; "
+                  "wins/losses: seeds where SAT is above/below.", "",
+                  "| SAT recipe | base | lag | settings | seeds | Δ best | p | wins/losses | Δ last | p | q/ε |",
+                  "|---" * 11 + "|"]  # fmt: skip
+        lines += [f"| {e['recipe']} | {e['base']} | {e['lag_label']} | {' '.join(e['settings']) or '-'} | "
+                  f"{len(e['seeds'])} | {100 * e['mean_diff']:+.1f} | {_p(e['p_value'])} | {e['wins']}/{e['losses']} | "
+                  f"{100 * e['last_mean_diff']:+.1f} | {_p(e['last_p_value'])} | {_num(e['q_over_radius'], 3)} |"
+                  for e in pairs]  # fmt: skip
+        lines.append("")
+    if failed:
+        lines += ["Failed cells (see the sweep's logs/): " + ", ".join(failed), ""]
+    recipes = list(dict.fromkeys(r["recipe"] for r in rows))
+    lines += ["## Paper, Table 1 (for reference only)", "",
+              "Qwen3-30B-A3B-Base, AIME24 avg@8 best checkpoint, one seed per cell:", "",
+              "| recipe | lag 1 | lag 8 |", "|---|---|---|"]  # fmt: skip
+    lines += [f"| {recipe} | {PAPER_TABLE_1[recipe].lag1:.2f} | {PAPER_TABLE_1[recipe].lag8:.2f}"
+              f"{' then collapse' if PAPER_TABLE_1[recipe].collapses_at_lag8 else ''} |"
+              for recipe in recipes if recipe in PAPER_TABLE_1]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _row_label(row_key: tuple, single_settings: bool) -> str:
+    recipe, settings_ = row_key
+    return recipe if single_settings else f"{recipe} {' '.join(settings_)}"
+
+
+def _mean_curve(curves: list[list[list]], column: int) -> tuple[list, list, list, list]:
+    """Steps every curve has, and the mean, min and max of ``column`` over the curves at those steps."""
+    tables = [{point[0]: point[column] for point in curve if point[column] is not None} for curve in curves]
+    steps = sorted(set.intersection(*(set(t) for t in tables))) if tables else []
+    values = [[t[s] for t in tables] for s in steps]
+    return steps, [sum(v) / len(v) for v in values], [min(v) for v in values], [max(v) for v in values]
+
+
+def plot_report(out: Path, records: list[dict], rows: list[dict], pairs: list[dict]) -> None:
+    """``curves_<lag>.png`` (accuracy, mean over seeds, min-max band), ``mismatch.png`` (d̄π per row),
+    ``attribution.png`` (|Δπ| and |Δimpl| over training) and ``regime_map.png`` (SAT's paired gain and intercepted
+    fraction against q/ε)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    single = len({tuple(r["settings"]) for r in rows}) <= 1
+    labels = list(dict.fromkeys(r["lag_label"] for r in rows))
+    by_label: dict[str, dict[tuple, list[dict]]] = {}
+    for (recipe, regime, lag, settings_), group in _groups(records).items():
+        by_label.setdefault(_lag_label(regime, lag), {})[(recipe, settings_)] = group
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+
+    for label in labels:
+        fig, ax = plt.subplots(figsize=(9, 5))
+        for row_key, group in by_label.get(label, {}).items():
+            steps, mean, low, high = _mean_curve([r["accuracy"] for r in group], 1)
+            line = ax.plot(steps, [100 * v for v in mean], label=f"{_row_label(row_key, single)} ({len(group)})")[0]
+            ax.fill_between(steps, [100 * v for v in low], [100 * v for v in high], color=line.get_color(), alpha=0.1)
+        ax.set(xlabel="optimizer step", ylabel="test accuracy, avg@k (%)",
+               title=f"{label}: mean over seeds (count in brackets), band = min-max")  # fmt: skip
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+        save(fig, f"curves_{label}.png")
+
+    row_keys = list(dict.fromkeys((r["recipe"], tuple(r["settings"])) for r in rows))
+    fig, ax = plt.subplots(figsize=(max(8, 0.7 * len(row_keys)), 4.5))
+    width = 0.8 / max(len(labels), 1)
+    for i, label in enumerate(labels):
+        values = {(r["recipe"], tuple(r["settings"])): r["last_epoch_mismatch"] or 0.0 for r in rows
+                  if r["lag_label"] == label}  # fmt: skip
+        ax.bar([x + i * width for x in range(len(row_keys))], [values.get(k, 0.0) for k in row_keys], width,
+               label=label)  # fmt: skip
+    ax.set_xticks([x + width * (len(labels) - 1) / 2 for x in range(len(row_keys))],
+                  [_row_label(k, single) for k in row_keys], rotation=30, ha="right", fontsize=8)  # fmt: skip
+    ax.set(ylabel="d̄π = mean |log π - log μ|", title="last-epoch mismatch (mean over seeds)")
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    save(fig, "mismatch.png")
+
+    fig, axes = plt.subplots(2, len(labels), figsize=(6 * len(labels), 8), squeeze=False, sharey="row")
+    for col, label in enumerate(labels):
+        for row_key, group in by_label.get(label, {}).items():
+            for ax_row, (column, part) in enumerate(((2, "|Δπ| policy lag"), (3, "|Δimpl| engine"))):
+                steps, mean, _, _ = _mean_curve([r["split"] for r in group], column)
+                axes[ax_row][col].plot(steps, mean, label=_row_label(row_key, single))
+                axes[ax_row][col].set(title=f"{label}: {part}", xlabel="optimizer step")
+        for ax in axes[:, col]:
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, ncol=2)
+    fig.suptitle("staleness attribution d = Δπ + Δimpl (Eq. 2), mean |.| over the last epoch, mean over seeds")
+    save(fig, "attribution.png")
+
+    points = [e for e in pairs if e["q_over_radius"] is not None]
+    if points:
+        fig, (gain, frac) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for e in points:
+            text = f"{e['recipe']} {e['lag_label']} {' '.join(o.rsplit('.', 1)[-1] for o in e['settings'])}"
+            gain.scatter(e["q_over_radius"], 100 * e["mean_diff"])
+            gain.annotate(text, (e["q_over_radius"], 100 * e["mean_diff"]), fontsize=6)
+            frac.scatter(e["q_over_radius"], e["intercepted_frac"])
+        gain.axhline(0, color="gray", lw=0.8)
+        gain.set(xlabel="q / ε (SAT's tail quantile over the radius)", ylabel="SAT - base, best accuracy (points)",
+                 title="paired gain of SAT (mean over seeds)", xscale="log")  # fmt: skip
+        frac.set(xlabel="q / ε", ylabel="intercepted fraction", title="tokens SAT clips and the interval would not",
+                 xscale="log")  # fmt: skip
+        for ax in (gain, frac):
+            ax.grid(alpha=0.3)
+        save(fig, "regime_map.png")
+
+
+def read_records(stores: list[str | Path]) -> list[dict]:
+    """Every cell record (``*.json``) of the given store folders, in name order."""
+    records = []
+    for store in map(Path, stores):
+        if not store.is_dir():
+            raise FileNotFoundError(f"--store {store}: no such folder of cell records (made by verl-sat sweep --store)")
+        records += [json.loads(p.read_text()) for p in sorted(store.glob("*.json"))]
+    return records
