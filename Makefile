@@ -20,10 +20,11 @@ $(STAMP): setup.py
 doctor: install
 	$(VENV)/bin/verl-sat doctor
 
-# the main job: prepare the embedded engine's model and task (once), then SAT-GSPO with routing replay at lag 8
+# the main job: prepare the embedded engine's model and task (once), then GSPO with routing replay and SAT-GSPO with
+# routing replay at the paper's lag 8, same seed, side by side (two processes), one table and one plot of both curves
 demo: install
 	$(VENV)/bin/verl-sat prepare --workdir $(WORKDIR) --if-needed
-	$(VENV)/bin/verl-sat train --workdir $(WORKDIR) +recipe=sat_gspo_r3 +lag=lag8
+	$(VENV)/bin/verl-sat sweep --workdir $(WORKDIR) --name demo --recipes gspo_r3,sat_gspo_r3 --lags 8 --seeds 0 --jobs 2
 
 test: install
 	$(PY) -m pytest tests -q
