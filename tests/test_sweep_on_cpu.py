@@ -138,12 +138,13 @@ def test_aggregation_by_hand(tmp_path):
     assert grpo["last_accuracy"] == pytest.approx(0.50 / 3)
     assert grpo["collapsed"] == 2 and grpo["seeds"] == 3
     assert grpo["last_epoch_mismatch"] == pytest.approx(0.3) and grpo["q_over_radius"] is None
-    assert (sat["best_accuracy"], sat["best_accuracy_se"], sat["collapsed"], sat["q_over_radius"]) == (0.5, 0, 0, 0.25)
+    assert (sat["best_accuracy"], sat["collapsed"], sat["q_over_radius"]) == (0.5, 0, 0.25)
+    assert sat["best_accuracy_se"] is None  # one seed: no standard error
     assert mean_se([1.0, 2.0, 3.0, 4.0]) == pytest.approx((2.5, math.sqrt(5 / 3) / 2))
     write_report(tmp_path, records, ["verl-sat sweep ..."])
     table = (tmp_path / "results.md").read_text()
     assert "| grpo | 3 | 30.0 ± 5.8 | 16.7 ± 9.3 | 2/3 | 0.3000 | - | - | - |" in table
-    assert "| sat_gspo_r3 | 1 | 50.0 ± 0.0 | 45.0 ± 0.0 | 0/1 | 0.1000 | - | - | 0.250 |" in table
+    assert "| sat_gspo_r3 | 1 | 50.0 | 45.0 | 0/1 | 0.1000 | - | - | 0.250 |" in table
     assert "| grpo | 31.25 | 30.17 then collapse |" in table
 
 

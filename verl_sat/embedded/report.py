@@ -45,12 +45,12 @@ ROW_MEANS = {
 }
 
 
-def mean_se(values: list[float]) -> tuple[float, float]:
-    """Mean and standard error (sample standard deviation / sqrt(n); 0 for one value)."""
+def mean_se(values: list[float]) -> tuple[float, float | None]:
+    """Mean and standard error (sample standard deviation / sqrt(n); ``None`` for one value)."""
     n = len(values)
     mean = sum(values) / n
     if n < 2:
-        return mean, 0.0
+        return mean, None
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
 
 
