@@ -254,6 +254,9 @@ def plot_report(out: Path, records: list[dict], rows: list[dict], pairs: list[di
     for (recipe, regime, lag, settings_), group in _groups(records).items():
         by_label.setdefault(_lag_label(regime, lag), {})[(recipe, settings_)] = group
 
+    colors = {key: plt.cm.tab20(i % 20) for i, key in enumerate(dict.fromkeys((r["recipe"], tuple(r["settings"]))
+                                                                            for r in rows))}  # fmt: skip
+
     def save(fig, name):
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
@@ -263,8 +266,9 @@ def plot_report(out: Path, records: list[dict], rows: list[dict], pairs: list[di
         fig, ax = plt.subplots(figsize=(9, 5))
         for row_key, group in by_label.get(label, {}).items():
             steps, mean, low, high = _mean_curve([r["accuracy"] for r in group], 1)
-            line = ax.plot(steps, [100 * v for v in mean], label=f"{_row_label(row_key, single)} ({len(group)})")[0]
-            ax.fill_between(steps, [100 * v for v in low], [100 * v for v in high], color=line.get_color(), alpha=0.1)
+            ax.plot(steps, [100 * v for v in mean], label=f"{_row_label(row_key, single)} ({len(group)})",
+                    color=colors[row_key])  # fmt: skip
+            ax.fill_between(steps, [100 * v for v in low], [100 * v for v in high], color=colors[row_key], alpha=0.1)
         ax.set(xlabel="optimizer step", ylabel="test accuracy, avg@k (%)",
                title=f"{label}: mean over seeds (count in brackets), band = min-max")  # fmt: skip
         ax.grid(alpha=0.3)
@@ -291,7 +295,7 @@ def plot_report(out: Path, records: list[dict], rows: list[dict], pairs: list[di
         for row_key, group in by_label.get(label, {}).items():
             for ax_row, (column, part) in enumerate(((2, "|Δπ| policy lag"), (3, "|Δimpl| engine"))):
                 steps, mean, _, _ = _mean_curve([r["split"] for r in group], column)
-                axes[ax_row][col].plot(steps, mean, label=_row_label(row_key, single))
+                axes[ax_row][col].plot(steps, mean, label=_row_label(row_key, single), color=colors[row_key])
                 axes[ax_row][col].set(title=f"{label}: {part}", xlabel="optimizer step")
         for ax in axes[:, col]:
             ax.grid(alpha=0.3)
@@ -303,10 +307,11 @@ def plot_report(out: Path, records: list[dict], rows: list[dict], pairs: list[di
     if points:
         fig, (gain, frac) = plt.subplots(1, 2, figsize=(12, 4.5))
         for e in points:
-            text = f"{e['recipe']} {e['lag_label']} {' '.join(o.rsplit('.', 1)[-1] for o in e['settings'])}"
-            gain.scatter(e["q_over_radius"], 100 * e["mean_diff"])
-            gain.annotate(text, (e["q_over_radius"], 100 * e["mean_diff"]), fontsize=6)
-            frac.scatter(e["q_over_radius"], e["intercepted_frac"])
+            text = f"{e['recipe']} {e['lag_label']}" + ("" if single else f" {' '.join(e['settings'])}")
+            color = colors.get((e["recipe"], tuple(e["settings"])))
+            for ax, y in ((gain, 100 * e["mean_diff"]), (frac, e["intercepted_frac"])):
+                ax.scatter(e["q_over_radius"], y, color=color)
+                ax.annotate(text, (e["q_over_radius"], y), fontsize=6)
         gain.axhline(0, color="gray", lw=0.8)
         gain.set(xlabel="q / ε (SAT's tail quantile over the radius)", ylabel="SAT - base, best accuracy (points)",
                  title="paired gain of SAT (mean over seeds)", xscale="log")  # fmt: skip
