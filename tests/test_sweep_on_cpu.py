@@ -23,7 +23,16 @@ import pytest
 
 from verl_sat import cli
 from verl_sat.embedded import sweep as sweep_module
-from verl_sat.embedded.report import aggregate, mean_se, paired, paired_t_test, write_report
+from verl_sat.embedded.report import (
+    aggregate,
+    base_settings,
+    mean_se,
+    paired,
+    paired_t_test,
+    read_records,
+    select,
+    write_report,
+)
 from verl_sat.embedded.sweep import Cell, StoreMismatch, parse_lag, sweep
 
 TINY_RUN = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.val_kwargs.n=1",
@@ -167,6 +176,40 @@ def test_paired_statistic_by_hand():
     assert entry["last_mean_diff"] == pytest.approx(0.1)
     assert paired_t_test([0.1]) == (None, None) and paired_t_test([0.0, 0.0]) == (0.0, 1.0)
     assert paired_t_test([0.1, -0.1])[1] == pytest.approx(1.0)
+
+
+def test_sat_knob_rows_pair_with_the_base_without_the_knob():
+    """A row of SAT-only overrides (the knob ablation) pairs with the base row that lacks them; any other setting
+    (radius, lr) must match on both sides."""
+    knob, radius = "actor_rollout_ref.actor.policy_loss.sat.quantile=0.8", "actor_rollout_ref.actor.clip_ratio_low=0.1"
+    base = [record("gspo_r3", 8, s, 0.3, 0.3, 0.1) for s in (0, 1)]
+    sat = [record("sat_gspo_r3", 8, s, 0.4 + 0.1 * s, 0.4, 0.1) | {"overrides": [knob]} for s in (0, 1)]
+    sat_radius = [record("sat_gspo_r3", 8, s, 0.4, 0.4, 0.1) | {"overrides": [knob, radius]} for s in (0, 1)]
+    (entry,) = paired(base + sat + sat_radius)  # no gspo_r3 row at radius 0.1: no entry for it
+    assert (entry["settings"], entry["seeds"], entry["mean_diff"]) == ([knob], [0, 1], pytest.approx(0.15))
+    assert base_settings((f"+{knob}", radius, "--optimizer-steps 120")) == (radius, "--optimizer-steps 120")
+
+
+def test_report_selects_recipes_and_lags(tmp_path, capsys):
+    store = tmp_path / "cells"
+    store.mkdir()
+    for rec in (record("grpo", 8, 0, 0.3, 0.3, 0.1), record("grpo", 1, 0, 0.3, 0.3, 0.1),
+                record("gspo", 8, 0, 0.3, 0.3, 0.1), record("grpo", 8, 0, 0.3, 0.3, 0.1, regime="fixed")):  # fmt: skip
+        cell = rec["cell"]
+        (store / f"{cell['recipe']}-{cell['regime']}{cell['lag']}.json").write_text(json.dumps(rec))
+    assert [(r["cell"]["recipe"], r["cell"]["lag"]) for r in select(read_records([store]), ["grpo"], ["lag8"])] == [
+        ("grpo", 8)
+    ]
+    out = tmp_path / "out"
+    assert (
+        cli.main(["report", "--store", str(store), "--out", str(out), "--recipes", "grpo", "--lags", "8,fixed8"]) == 0
+    )
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["recipe"], r["lag_label"]) for r in rows] == [("grpo", "lag8"), ("grpo", "fixed8")]
+    capsys.readouterr()
+    assert cli.main(["report", "--store", str(store), "--out", str(out), "--recipes", "dppo"]) == 2
+    err = capsys.readouterr().err
+    assert "no cell records" in err and "--recipes dppo" in err
 
 
 def test_lag_cells_map_onto_the_lag_files():

@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     rep = commands.add_parser("report", help="tables, paired statistics and plots from the cell records of sweeps")
     rep.add_argument("--store", action="append", required=True, help="a folder of cell records (repeatable)")
     rep.add_argument("--out", required=True, help="output folder: results.json/.md/.csv and plots")
+    rep.add_argument("--recipes", default=None, help="comma-separated recipes to report (default: all in the stores)")
+    rep.add_argument("--lags", default=None, help="comma-separated lags to report, as for sweep (default: all)")
     rep.add_argument(
         "--command", dest="made_by", action="append", default=[], help="a command that made the records (repeatable)"
     )
@@ -198,15 +200,20 @@ def _sweep(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from verl_sat.embedded.report import read_records, write_report
+    from verl_sat.embedded.report import read_records, select, write_report
+    from verl_sat.embedded.sweep import Cell, parse_lag
 
     try:
+        lag_specs = [] if args.lags is None else [parse_lag(lag) for lag in args.lags.split(",")]
+        lags = [Cell("-", lag, 0, regime).lag_label for lag, regime in lag_specs] if args.lags else None
         records = read_records(args.store)
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ValueError) as err:
         print(f"verl-sat report: {err}", file=sys.stderr)
         return 2
+    records = select(records, None if args.recipes is None else args.recipes.split(","), lags)
     if not records:
-        print(f"verl-sat report: no cell records in {', '.join(args.store)}", file=sys.stderr)
+        chosen = f" for --recipes {args.recipes} --lags {args.lags}" if args.recipes or args.lags else ""
+        print(f"verl-sat report: no cell records in {', '.join(args.store)}{chosen}", file=sys.stderr)
         return 2
     out = Path(args.out)
     write_report(out, records, args.made_by)

@@ -34,6 +34,8 @@ from verl_sat.recipe_catalog import PAPER_TABLE_1
 
 # SAT recipe -> the recipe it changes only by its loss
 SAT_BASE = {"sat_grpo": "grpo", "sat_gspo": "gspo", "sat_grpo_r3": "grpo_r3", "sat_gspo_r3": "gspo_r3"}
+# overrides of these keys (SAT's knobs) change a SAT row only; its base row is the one without them
+SAT_KEY_PREFIX = "actor_rollout_ref.actor.policy_loss.sat."
 # row field -> summary key, averaged over seeds (None where the runs do not log it, e.g. SAT's metrics off SAT)
 ROW_MEANS = {
     "last_epoch_mismatch": "last_epoch_mismatch",
@@ -81,6 +83,18 @@ def settings(record: dict) -> tuple[str, ...]:
     return (*record["overrides"], *([f"--optimizer-steps {steps}"] if steps else []))
 
 
+def base_settings(settings_: tuple[str, ...]) -> tuple[str, ...]:
+    """The settings a SAT row's base row is matched on: its own, less the SAT knobs (overrides of
+    ``SAT_KEY_PREFIX`` keys), which the base recipe does not have."""
+    return tuple(s for s in settings_ if not s.lstrip("+~").startswith(SAT_KEY_PREFIX))
+
+
+def select(records: list[dict], recipes: list[str] | None = None, lag_labels: list[str] | None = None) -> list[dict]:
+    """The records of the given recipes and lag labels (``lag8``, ``fixed8``); ``None`` keeps all."""
+    return [r for r in records if (recipes is None or r["cell"]["recipe"] in recipes)
+            and (lag_labels is None or _lag_label(r["cell"]["regime"], r["cell"]["lag"]) in lag_labels)]  # fmt: skip
+
+
 def _key(record: dict) -> tuple:
     cell = record["cell"]
     return cell["recipe"], cell["regime"], cell["lag"], settings(record)
@@ -125,12 +139,13 @@ def aggregate(records: list[dict]) -> list[dict]:
 
 
 def paired(records: list[dict]) -> list[dict]:
-    """One entry per SAT recipe against its base recipe, per lag and settings, on the seeds both have: the mean
-    per-seed difference of best and of last accuracy, the paired t-test's p-value, and SAT's wins."""
+    """One entry per SAT recipe against its base recipe, per lag and settings (the base on ``base_settings``), on the
+    seeds both have: the mean per-seed difference of best and of last accuracy, the paired t-test's p-value, and
+    SAT's wins."""
     groups = _groups(records)
     entries = []
     for (recipe, regime, lag, settings_), group in groups.items():
-        base_group = groups.get((SAT_BASE.get(recipe), regime, lag, settings_))
+        base_group = groups.get((SAT_BASE.get(recipe), regime, lag, base_settings(settings_)))
         if base_group is None:
             continue
         base_by_seed = {r["cell"]["seed"]: r["summary"] for r in base_group}
@@ -226,9 +241,11 @@ def results_markdown(rows: list[dict], pairs: list[dict], commands: list[str], f
     return "\n".join(lines) + "\n"
 
 
-def _row_label(row_key: tuple, single_settings: bool) -> str:
+def _row_label(row_key: tuple, common: set[str]) -> str:
+    """``recipe`` and its settings beyond ``common`` (those every row has), each override by its last key part:
+    ``sat_grpo clip_ratio_low=0.05 clip_ratio_high=0.05``."""
     recipe, settings_ = row_key
-    return recipe if single_settings else f"{recipe} {' '.join(settings_)}"
+    return " ".join([recipe, *(s.rsplit(".", 1)[-1] for s in settings_ if s not in common)])
 
 
 def _mean_curve(curves: list[list[list]], column: int) -> tuple[list, list, list, list]:
@@ -248,7 +265,7 @@ def plot_report(out: Path, records: list[dict], rows: list[dict], pairs: list[di
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    single = len({tuple(r["settings"]) for r in rows}) <= 1
+    common = set.intersection(*(set(r["settings"]) for r in rows)) if rows else set()
     labels = list(dict.fromkeys(r["lag_label"] for r in rows))
     by_label: dict[str, dict[tuple, list[dict]]] = {}
     for (recipe, regime, lag, settings_), group in _groups(records).items():
@@ -266,7 +283,7 @@ def plot_report(out: Path, records: list[dict], rows: list[dict], pairs: list[di
         fig, ax = plt.subplots(figsize=(9, 5))
         for row_key, group in by_label.get(label, {}).items():
             steps, mean, low, high = _mean_curve([r["accuracy"] for r in group], 1)
-            ax.plot(steps, [100 * v for v in mean], label=f"{_row_label(row_key, single)} ({len(group)})",
+            ax.plot(steps, [100 * v for v in mean], label=f"{_row_label(row_key, common)} ({len(group)})",
                     color=colors[row_key])  # fmt: skip
             ax.fill_between(steps, [100 * v for v in low], [100 * v for v in high], color=colors[row_key], alpha=0.1)
         ax.set(xlabel="optimizer step", ylabel="test accuracy, avg@k (%)",
@@ -284,7 +301,7 @@ def plot_report(out: Path, records: list[dict], rows: list[dict], pairs: list[di
         ax.bar([x + i * width for x in range(len(row_keys))], [values.get(k, 0.0) for k in row_keys], width,
                label=label)  # fmt: skip
     ax.set_xticks([x + width * (len(labels) - 1) / 2 for x in range(len(row_keys))],
-                  [_row_label(k, single) for k in row_keys], rotation=30, ha="right", fontsize=8)  # fmt: skip
+                  [_row_label(k, common) for k in row_keys], rotation=30, ha="right", fontsize=8)  # fmt: skip
     ax.set(ylabel="d̄π = mean |log π - log μ|", title="last-epoch mismatch (mean over seeds)")
     ax.legend()
     ax.grid(alpha=0.3, axis="y")
@@ -295,7 +312,7 @@ def plot_report(out: Path, records: list[dict], rows: list[dict], pairs: list[di
         for row_key, group in by_label.get(label, {}).items():
             for ax_row, (column, part) in enumerate(((2, "|Δπ| policy lag"), (3, "|Δimpl| engine"))):
                 steps, mean, _, _ = _mean_curve([r["split"] for r in group], column)
-                axes[ax_row][col].plot(steps, mean, label=_row_label(row_key, single), color=colors[row_key])
+                axes[ax_row][col].plot(steps, mean, label=_row_label(row_key, common), color=colors[row_key])
                 axes[ax_row][col].set(title=f"{label}: {part}", xlabel="optimizer step")
         for ax in axes[:, col]:
             ax.grid(alpha=0.3)
@@ -305,10 +322,14 @@ def plot_report(out: Path, records: list[dict], rows: list[dict], pairs: list[di
 
     points = [e for e in pairs if e["q_over_radius"] is not None]
     if points:
+        # one colour per row; with several settings, one per SAT recipe
+        per_recipe = len({tuple(r["settings"]) for r in rows}) > 1
+        sat_recipes = dict.fromkeys(e["recipe"] for e in points)
+        recipe_colors = {recipe: plt.cm.tab10(i % 10) for i, recipe in enumerate(sat_recipes)}
         fig, (gain, frac) = plt.subplots(1, 2, figsize=(12, 4.5))
         for e in points:
-            text = f"{e['recipe']} {e['lag_label']}" + ("" if single else f" {' '.join(e['settings'])}")
-            color = colors.get((e["recipe"], tuple(e["settings"])))
+            text = f"{_row_label((e['recipe'], e['settings']), common)} {e['lag_label']}"
+            color = recipe_colors[e["recipe"]] if per_recipe else colors[(e["recipe"], tuple(e["settings"]))]
             for ax, y in ((gain, 100 * e["mean_diff"]), (frac, e["intercepted_frac"])):
                 ax.scatter(e["q_over_radius"], y, color=color)
                 ax.annotate(text, (e["q_over_radius"], y), fontsize=6)
