@@ -24,6 +24,7 @@ import pytest
 from verl_sat import cli
 from verl_sat.embedded import sweep as sweep_module
 from verl_sat.embedded.report import (
+    _row_label,
     aggregate,
     base_settings,
     mean_se,
@@ -188,6 +189,9 @@ def test_sat_knob_rows_pair_with_the_base_without_the_knob():
     (entry,) = paired(base + sat + sat_radius)  # no gspo_r3 row at radius 0.1: no entry for it
     assert (entry["settings"], entry["seeds"], entry["mean_diff"]) == ([knob], [0, 1], pytest.approx(0.15))
     assert base_settings((f"+{knob}", radius, "--optimizer-steps 120")) == (radius, "--optimizer-steps 120")
+    assert _row_label(("sat_gspo_r3", (knob, radius, "--optimizer-steps 120")), {radius}) == (
+        "sat_gspo_r3 quantile=0.8 --optimizer-steps 120"
+    )
 
 
 def test_report_selects_recipes_and_lags(tmp_path, capsys):

@@ -245,7 +245,13 @@ def _row_label(row_key: tuple, common: set[str]) -> str:
     """``recipe`` and its settings beyond ``common`` (those every row has), each override by its last key part:
     ``sat_grpo clip_ratio_low=0.05 clip_ratio_high=0.05``."""
     recipe, settings_ = row_key
-    return " ".join([recipe, *(s.rsplit(".", 1)[-1] for s in settings_ if s not in common)])
+    return " ".join([recipe, *(_short_override(s) for s in settings_ if s not in common)])
+
+
+def _short_override(override: str) -> str:
+    """``a.b.key=value`` -> ``key=value``; anything else (``--optimizer-steps 120``) as is."""
+    key, equals, value = override.partition("=")
+    return f"{key.rsplit('.', 1)[-1]}{equals}{value}"
 
 
 def _mean_curve(curves: list[list[list]], column: int) -> tuple[list, list, list, list]:
@@ -335,11 +341,14 @@ def plot_report(out: Path, records: list[dict], rows: list[dict], pairs: list[di
                 ax.annotate(text, (e["q_over_radius"], y), fontsize=6)
         gain.axhline(0, color="gray", lw=0.8)
         gain.set(xlabel="q / ε (SAT's tail quantile over the radius)", ylabel="SAT - base, best accuracy (points)",
-                 title="paired gain of SAT (mean over seeds)", xscale="log")  # fmt: skip
-        frac.set(xlabel="q / ε", ylabel="intercepted fraction", title="tokens SAT clips and the interval would not",
-                 xscale="log")  # fmt: skip
+                 title="paired gain of SAT (mean over seeds)")  # fmt: skip
+        frac.set(xlabel="q / ε", ylabel="intercepted fraction", title="tokens SAT clips and the interval would not")
         for ax in (gain, frac):
             ax.grid(alpha=0.3)
+        if per_recipe:
+            for recipe, color in recipe_colors.items():
+                gain.scatter([], [], color=color, label=recipe)
+            gain.legend(fontsize=8)
         save(fig, "regime_map.png")
 
 
