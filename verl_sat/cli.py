@@ -204,8 +204,8 @@ def _report(args: argparse.Namespace) -> int:
     from verl_sat.embedded.sweep import Cell, parse_lag
 
     try:
-        lag_specs = [] if args.lags is None else [parse_lag(lag) for lag in args.lags.split(",")]
-        lags = [Cell("-", lag, 0, regime).lag_label for lag, regime in lag_specs] if args.lags else None
+        lags = None if args.lags is None else [Cell("-", lag, 0, regime).lag_label
+                                               for lag, regime in map(parse_lag, args.lags.split(","))]  # fmt: skip
         records = read_records(args.store)
     except (FileNotFoundError, ValueError) as err:
         print(f"verl-sat report: {err}", file=sys.stderr)
