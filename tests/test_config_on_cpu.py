@@ -19,7 +19,7 @@ from hydra.errors import ConfigCompositionException
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import PolicyLossConfig
 
-from verl_sat.config import SatConfig, SatPolicyLossConfig, resolve_sat_config
+from verl_sat.config import SatConfig, SatPolicyLossConfig, sat_params_of
 
 
 def test_defaults_match_the_spec():
@@ -106,6 +106,9 @@ def test_sat_key_without_plus_is_a_hydra_error():
         compose_verl([SAT_TARGET, "actor_rollout_ref.actor.policy_loss.sat.quantile=0.5"])
 
 
-def test_resolve_sat_config_from_plain_verl_policy_loss():
-    assert resolve_sat_config(PolicyLossConfig(loss_mode="sat")) == SatConfig()
-    assert resolve_sat_config({"sat": {"quantile": 0.7}}).quantile == 0.7
+def test_sat_params_of_plain_verl_policy_loss_and_mappings():
+    assert sat_params_of(PolicyLossConfig(loss_mode="sat")) == SatConfig()
+    assert sat_params_of({"sat": {"quantile": 0.7}}).quantile == 0.7
+    with pytest.raises(ValueError, match=r"policy_loss.sat.granularity='token' has no effect with loss_mode='sat'"):
+        sat_params_of({"sat": {"granularity": "token"}}, "sat")
+    assert sat_params_of({"sat": {"granularity": "token"}}, "sat_gspo").granularity == "token"

@@ -140,10 +140,10 @@ def test_engine_replays_the_rollout_routes_on_the_packed_micro_batch():
         model(input_ids=packed_ids, position_ids=position_ids)
     native_spy.close()
     spy = ExpertsSpy(model)
-    engine._arm_routing_replay(micro_batch, {"pad_size": pad})
+    engine._prepare_router_replay_inputs(micro_batch, {"pad_size": pad})
     with torch.no_grad():
         model(input_ids=packed_ids, position_ids=position_ids)
-    engine._routing_replay.end_replay()
+    engine._end_router_replay()
     spy.close()
 
     rollout_routes = micro_batch["routed_experts"].values().long()
@@ -151,7 +151,8 @@ def test_engine_replays_the_rollout_routes_on_the_packed_micro_batch():
         used = spy.used[f"model.layers.{layer}.mlp.experts"]
         assert torch.equal(used[:nnz], rollout_routes[:, layer])
         assert torch.equal(used[nnz:], native_spy.used[f"model.layers.{layer}.mlp.experts"][nnz:])
-    metrics = engine._routing_replay.replay_metrics()
+    metrics = {}
+    engine._add_router_replay_metrics(metrics)
     assert metrics["actor/r3_layers_replayed"] == 2.0
     assert metrics["actor/r3_route_flip_frac"] > 0  # packed attention differs from per-sequence rollout
 
@@ -164,7 +165,7 @@ def test_missing_routes_is_a_clear_error():
     engine.engine_config = OmegaConf.create({"router_replay": {"mode": "R3"}})
     engine.module, engine.use_ulysses_sp = model, False
     try:
-        engine._arm_routing_replay(micro_batch, {"pad_size": 0})
+        engine._prepare_router_replay_inputs(micro_batch, {"pad_size": 0})
     except RuntimeError as err:
         assert "enable_rollout_routing_replay=True" in str(err)
     else:

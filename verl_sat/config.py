@@ -20,55 +20,25 @@ config for the FSDP engine, where verl-sat provides R3.
 """
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from omegaconf import OmegaConf
 from verl.base_config import BaseConfig
 from verl.workers.config import EngineRouterReplayConfig, PolicyLossConfig
 
-from verl_sat.sat_math import GRANULARITIES, KERNELS, QUANTILE_METHODS
+from verl_sat.sat_math import SatParams, check_sat_params
 
-DEFAULT_GRANULARITY = "sequence"
-TOKEN_LEVEL_LOSSES = ("sat",)  # losses whose proxy is always per token (no `granularity` key)
+SAT_KEY_FORMAT = "actor_rollout_ref.actor.policy_loss.sat.{}"  # how errors name a SAT key
 
 
 @dataclass
-class SatConfig(BaseConfig):
-    """Hyperparameters of the Staleness-Adaptive Trust Region (arXiv 2607.18722, Eqs. 14-20).
-
-    Args:
-        quantile (float): Tail quantile alpha in (0, 1); units with |d| above the alpha-quantile q of the
-            micro-batch are gated (Eq. 14).
-        quantile_method (str): "inverted_cdf" (the paper's lower empirical quantile: the ceil(alpha * n)-th smallest,
-            no interpolation) or "linear" (torch.quantile's interpolation, the earlier behaviour).
-        kernel (str): Contraction kernel (Eq. 16), "hill" (kappa = q^n / (q^n + a^n)) or "hill_shifted"
-            (kappa = 1 / (1 + ((a - q) / q)^n), continuous at q).
-        kernel_exponent (float): Hill exponent n > 0.
-        min_scale (float): Lower bound on the contraction factor kappa, in [0, 1].
-        floor (float): Gate only when the quantile q exceeds this value (>= 0); avoids gating pure noise.
-        granularity (str): SAT score unit of ``sat_gspo``: "sequence" (s_i broadcast to the sequence's active tokens,
-            quantile over tokens: length-weighted, Eq. 20), "sequence_uniform" (quantile over sequences, each once)
-            or "token". ``sat`` is always per token and refuses any other value than the default.
-    """
-
-    quantile: float = 0.9
-    quantile_method: str = "inverted_cdf"
-    kernel: str = "hill"
-    kernel_exponent: float = 2.0
-    min_scale: float = 0.0
-    floor: float = 0.0
-    granularity: str = DEFAULT_GRANULARITY
+class SatConfig(BaseConfig, SatParams):
+    """The SAT hyperparameters (``verl_sat.sat_math.SatParams``: keys, defaults and their meaning) as verl's config
+    block ``actor_rollout_ref.actor.policy_loss.sat``; a bad value fails when the block is built, naming the key."""
 
     def __post_init__(self):
-        _check(0.0 < self.quantile < 1.0, "quantile", self.quantile, "a float in the open interval (0, 1)")
-        _check(self.quantile_method in QUANTILE_METHODS, "quantile_method", self.quantile_method,
-               f"one of {list(QUANTILE_METHODS)}")  # fmt: skip
-        _check(self.kernel in KERNELS, "kernel", self.kernel, f"one of {list(KERNELS)}")
-        _check(self.kernel_exponent > 0.0, "kernel_exponent", self.kernel_exponent, "a float > 0")
-        _check(0.0 <= self.min_scale <= 1.0, "min_scale", self.min_scale, "a float in [0, 1]")
-        _check(self.floor >= 0.0, "floor", self.floor, "a float >= 0")
-        _check(self.granularity in GRANULARITIES, "granularity", self.granularity, f"one of {list(GRANULARITIES)}")
+        check_sat_params(self, SAT_KEY_FORMAT)
 
 
 @dataclass
@@ -84,26 +54,19 @@ class SatPolicyLossConfig(PolicyLossConfig):
     def __post_init__(self):
         # BaseConfig fields are frozen after __init__; the conversion happens once, here.
         object.__setattr__(self, "sat", as_sat_config(self.sat))
-        check_granularity(self.loss_mode, self.sat)
+        check_sat_params(self.sat, SAT_KEY_FORMAT, self.loss_mode)
 
 
-def check_granularity(loss_mode: str, sat: SatConfig) -> None:
-    """``granularity`` is a ``sat_gspo`` key: the token-level ``sat`` loss refuses a non-default value."""
-    if loss_mode in TOKEN_LEVEL_LOSSES and sat.granularity != DEFAULT_GRANULARITY:
-        raise ValueError(
-            f"actor_rollout_ref.actor.policy_loss.sat.granularity={sat.granularity!r} has no effect with "
-            f"loss_mode={loss_mode!r} (the token-level rule scores every token): remove the key, or use "
-            "loss_mode=sat_gspo"
-        )
-
-
-def resolve_sat_config(policy_loss: Any) -> SatConfig:
-    """Return the ``SatConfig`` carried by an actor's ``policy_loss`` (dataclass or DictConfig).
+def sat_params_of(policy_loss: Any, loss_mode: str | None = None) -> SatConfig:
+    """The ``SatConfig`` carried by an actor's ``policy_loss`` (dataclass or DictConfig), validated for
+    ``loss_mode`` (the token-level ``sat`` refuses a non-default granularity).
 
     A policy_loss without a ``sat`` block (verl's plain ``PolicyLossConfig``) yields the defaults.
     """
     sat = policy_loss.get("sat", None) if policy_loss is not None else None
-    return SatConfig() if sat is None else as_sat_config(sat)
+    params = SatConfig() if sat is None else as_sat_config(sat)
+    check_sat_params(params, SAT_KEY_FORMAT, loss_mode)
+    return params
 
 
 def as_sat_config(sat: Any) -> SatConfig:
@@ -115,21 +78,11 @@ def as_sat_config(sat: Any) -> SatConfig:
             f"actor_rollout_ref.actor.policy_loss.sat must be a mapping of SAT keys, got {type(sat).__name__}"
         )
     values = {k: v for k, v in sat.items() if k != "_target_"}
-    unknown = sorted(set(values) - set(SatConfig.__dataclass_fields__))
+    valid = sorted(f.name for f in fields(SatParams))
+    unknown = sorted(set(values) - set(valid))
     if unknown:
-        raise ValueError(
-            f"actor_rollout_ref.actor.policy_loss.sat has unknown keys {unknown}; "
-            f"valid keys are {sorted(k for k in SatConfig.__dataclass_fields__ if k != '_target_')}"
-        )
+        raise ValueError(f"actor_rollout_ref.actor.policy_loss.sat has unknown keys {unknown}; valid keys are {valid}")
     return SatConfig(**values)
-
-
-def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ValueError(
-            f"actor_rollout_ref.actor.policy_loss.sat.{key}={value!r} is invalid: expected {allowed}. "
-            f"Fix the override or the recipe's sat block."
-        )
 
 
 @dataclass

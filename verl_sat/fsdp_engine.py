@@ -59,20 +59,35 @@ def micro_batch_routes(routed_experts: torch.Tensor, pad_size: int, sequence_par
 
 
 class RoutingReplayFSDPEngine(FSDPEngineWithLMHead):
-    """verl's FSDP language-model engine with rollout routing replay (R3) for Hugging Face MoE models."""
+    """verl's FSDP language-model engine with rollout routing replay (R3) for Hugging Face MoE models.
+
+    The three overrides only call the hooks below them, which hold the logic; ``verl-sat upstream`` copies the hooks
+    into verl's ``FSDPEngineWithLMHead`` and the same three calls into its methods.
+    """
 
     _routing_replay: RoutingReplay | None = None
 
-    def _r3_enabled(self) -> bool:
-        return self.engine_config.router_replay.mode == "R3"
-
     def prepare_model_inputs(self, micro_batch: TensorDict):
         model_inputs, output_args = super().prepare_model_inputs(micro_batch)
-        if self._r3_enabled():
-            self._arm_routing_replay(micro_batch, output_args)
+        self._prepare_router_replay_inputs(micro_batch, output_args)
         return model_inputs, output_args
 
-    def _arm_routing_replay(self, micro_batch: TensorDict, output_args: dict) -> None:
+    def prepare_model_outputs(self, output, output_args, micro_batch: TensorDict, logits_processor_func):
+        self._end_router_replay()
+        return super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
+
+    def forward_step(self, micro_batch: TensorDict, loss_function, forward_only):
+        loss, output = super().forward_step(micro_batch, loss_function, forward_only)
+        self._add_router_replay_metrics(output["metrics"])
+        return loss, output
+
+    # ---- routing-replay hooks -------------------------------------------------------------------------------------
+
+    def _prepare_router_replay_inputs(self, micro_batch: TensorDict, output_args: dict) -> None:
+        """Under ``router_replay.mode=R3``, arm replay of this packed micro-batch's ``routed_experts`` (laid out like
+        its ``input_ids``: pad rows appended, sliced under Ulysses) for the forward that follows."""
+        if self.engine_config.router_replay.mode != "R3":
+            return
         if not tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
             raise RuntimeError(
                 "router_replay.mode=R3 under the FSDP engine needs packed inputs: set "
@@ -89,16 +104,15 @@ class RoutingReplayFSDPEngine(FSDPEngineWithLMHead):
         targets = micro_batch_routes(routed, int(output_args.get("pad_size", 0)), self.use_ulysses_sp)
         self._routing_replay.begin_replay(targets)
 
-    def prepare_model_outputs(self, output, output_args, micro_batch: TensorDict, logits_processor_func):
+    def _end_router_replay(self) -> None:
+        """The replayed forward is done; the targets stay armed for a gradient-checkpointing recompute."""
         if self._routing_replay is not None:
-            self._routing_replay.end_replay()  # the forward is done; the targets stay for a recompute
-        return super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
+            self._routing_replay.end_replay()
 
-    def forward_step(self, micro_batch: TensorDict, loss_function, forward_only):
-        loss, output = super().forward_step(micro_batch, loss_function, forward_only)
-        if self._r3_enabled() and self._routing_replay is not None:
-            output["metrics"].update(self._routing_replay.replay_metrics())
-        return loss, output
+    def _add_router_replay_metrics(self, metrics: dict) -> None:
+        """Add ``actor/r3_route_flip_frac`` and ``actor/r3_layers_replayed`` of the last replayed forward."""
+        if self.engine_config.router_replay.mode == "R3" and self._routing_replay is not None:
+            metrics.update(self._routing_replay.replay_metrics())
 
 
 class RoutingReplayUnavailable(RuntimeError):

@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 from verl.workers.config import ActorConfig
 
-from verl_sat.config import check_granularity, resolve_sat_config
+from verl_sat.config import sat_params_of
 from verl_sat.sat_math import SatSurrogate, sat_gspo_surrogate, sat_token_surrogate
 
 
@@ -46,13 +46,12 @@ def compute_policy_loss_sat(
         config: the actor config; reads the clip radii, ``clip_ratio_c`` and ``policy_loss.sat``.
         rollout_is_weights: optional ``[B, T]`` rollout-correction weights multiplied into the loss.
     """
-    clip_low, clip_high = _clip_radii(config)
-    sat = resolve_sat_config(config.policy_loss)
-    check_granularity("sat", sat)
+    clip_low, clip_high = _sat_clip_radii(config)
+    sat = sat_params_of(config.policy_loss, "sat")
     clip_ratio_c = config.get("clip_ratio_c", 3.0)
 
     out = sat_token_surrogate(log_prob, old_log_prob, advantages, response_mask, clip_low, clip_high, clip_ratio_c, sat)
-    return _aggregate(out, loss_agg_mode, config, rollout_is_weights, clip_low, clip_high)
+    return _sat_aggregate(out, loss_agg_mode, config, rollout_is_weights, clip_low, clip_high)
 
 
 @register_policy_loss("sat_gspo")  # type: ignore[arg-type]
@@ -69,16 +68,16 @@ def compute_policy_loss_sat_gspo(
 
     Args: as ``compute_policy_loss_sat``; ``policy_loss.sat.granularity`` selects the score unit.
     """
-    clip_low, clip_high = _clip_radii(config)
-    sat = resolve_sat_config(config.policy_loss)
+    clip_low, clip_high = _sat_clip_radii(config)
+    sat = sat_params_of(config.policy_loss, "sat_gspo")
 
     out = sat_gspo_surrogate(
         log_prob, old_log_prob, advantages, response_mask, clip_low, clip_high, sat, sat.granularity
     )
-    return _aggregate(out, loss_agg_mode, config, rollout_is_weights, clip_low, clip_high)
+    return _sat_aggregate(out, loss_agg_mode, config, rollout_is_weights, clip_low, clip_high)
 
 
-def _clip_radii(config: DictConfig | ActorConfig | None) -> tuple[float, float]:
+def _sat_clip_radii(config: DictConfig | ActorConfig | None) -> tuple[float, float]:
     if config is None:
         raise ValueError("the SAT losses need the actor config (clip radii and policy_loss.sat); got config=None")
     clip_low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
@@ -86,13 +85,13 @@ def _clip_radii(config: DictConfig | ActorConfig | None) -> tuple[float, float]:
     return clip_low, clip_high
 
 
-def _ppo_kl(log_ratio: torch.Tensor, mask: torch.Tensor, num_active: torch.Tensor) -> torch.Tensor:
+def _sat_ppo_kl(log_ratio: torch.Tensor, mask: torch.Tensor, num_active: torch.Tensor) -> torch.Tensor:
     """verl's ``ppo_kl``, ``masked_mean(-log_ratio, mask)``, bit for bit with fewer temporaries: the same masked
     values summed in the same order (negation and the multiplication by a 1.0 mask are exact)."""
     return -torch.where(mask, log_ratio, 0.0).sum() / (num_active + 1e-8)
 
 
-def _batch_info(global_batch_info: dict, loss_agg_mode: str, out: SatSurrogate) -> dict:
+def _sat_batch_info(global_batch_info: dict, loss_agg_mode: str, out: SatSurrogate) -> dict:
     """verl's ``global_batch_info``, plus the denominators ``agg_loss`` would count from the mask on one rank when verl
     passes none: the same counts, clamped at 1, so that an all-inactive micro-batch is a finite zero (connected to the
     graph) instead of 0 / 0."""
@@ -108,7 +107,7 @@ def _batch_info(global_batch_info: dict, loss_agg_mode: str, out: SatSurrogate) 
     return info
 
 
-def _aggregate(
+def _sat_aggregate(
     out: SatSurrogate,
     loss_agg_mode: str,
     config: DictConfig | ActorConfig,
@@ -121,7 +120,7 @@ def _aggregate(
     if rollout_is_weights is not None:
         loss_mat = loss_mat * rollout_is_weights
     pg_loss = agg_loss(loss_mat=loss_mat, loss_mask=mask, loss_agg_mode=loss_agg_mode,
-                       **_batch_info(config.global_batch_info, loss_agg_mode, out))  # fmt: skip
+                       **_sat_batch_info(config.global_batch_info, loss_agg_mode, out))  # fmt: skip
 
     region, stats = out.region, out.region.stats
     values = [
@@ -131,7 +130,7 @@ def _aggregate(
         stats.lower_shrink,
         stats.upper_shrink,
         stats.max_shrink,
-        _ppo_kl(out.log_ratio, mask, num_active),
+        _sat_ppo_kl(out.log_ratio, mask, num_active),
         region.num_units,
         num_active,
         out.num_nan,

@@ -25,7 +25,7 @@ import functools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Protocol
+from typing import Any
 
 import torch
 
@@ -36,15 +36,65 @@ GRANULARITIES = ("sequence", "sequence_uniform", "token")
 QUANTILE_METHODS = ("inverted_cdf", "linear")
 
 
-class GateParams(Protocol):
-    """What the gate reads (Eqs. 14-16); ``verl_sat.config.SatConfig`` satisfies it."""
+DEFAULT_GRANULARITY = "sequence"
+TOKEN_LEVEL_LOSSES = ("sat",)  # losses whose proxy is always per token: any granularity but the default is refused
 
-    quantile: float
-    quantile_method: str
-    kernel: str
-    kernel_exponent: float
-    min_scale: float
-    floor: float
+
+@dataclass
+class SatParams:
+    """Hyperparameters of the Staleness-Adaptive Trust Region (Eqs. 14-20): what the gate and the surrogates read.
+
+    Args:
+        quantile (float): Tail quantile alpha in (0, 1); units with |d| above the alpha-quantile q of the
+            micro-batch are gated (Eq. 14).
+        quantile_method (str): "inverted_cdf" (the paper's lower empirical quantile: the ceil(alpha * n)-th smallest,
+            no interpolation) or "linear" (torch.quantile's interpolation).
+        kernel (str): Contraction kernel (Eq. 16), "hill" (kappa = q^n / (q^n + a^n)) or "hill_shifted"
+            (kappa = 1 / (1 + ((a - q) / q)^n), continuous at q).
+        kernel_exponent (float): Hill exponent n > 0.
+        min_scale (float): Lower bound on the contraction factor kappa, in [0, 1].
+        floor (float): Gate only when the quantile q exceeds this value (>= 0); avoids gating pure noise.
+        granularity (str): SAT score unit of the GSPO surrogate: "sequence" (s_i broadcast to the sequence's active
+            tokens, quantile over tokens: length-weighted, Eq. 20), "sequence_uniform" (quantile over sequences,
+            each once) or "token". The token-level loss is always per token and refuses any other value.
+    """
+
+    quantile: float = 0.9
+    quantile_method: str = "inverted_cdf"
+    kernel: str = "hill"
+    kernel_exponent: float = 2.0
+    min_scale: float = 0.0
+    floor: float = 0.0
+    granularity: str = DEFAULT_GRANULARITY
+
+
+def sat_param_errors(params: SatParams, loss_mode: str | None = None) -> list[tuple[str, Any, str]]:
+    """Every invalid hyperparameter as ``(name, value, what is wrong)``; ``loss_mode`` adds the check that a
+    token-level loss keeps the default granularity."""
+    allowed = {
+        "quantile": (0.0 < params.quantile < 1.0, "a float in the open interval (0, 1)"),
+        "quantile_method": (params.quantile_method in QUANTILE_METHODS, f"one of {list(QUANTILE_METHODS)}"),
+        "kernel": (params.kernel in KERNELS, f"one of {list(KERNELS)}"),
+        "kernel_exponent": (params.kernel_exponent > 0.0, "a float > 0"),
+        "min_scale": (0.0 <= params.min_scale <= 1.0, "a float in [0, 1]"),
+        "floor": (params.floor >= 0.0, "a float >= 0"),
+        "granularity": (params.granularity in GRANULARITIES, f"one of {list(GRANULARITIES)}"),
+    }
+    errors = [(name, getattr(params, name), f"is invalid: expected {what}; fix the command-line override or the "
+               "config file") for name, (ok, what) in allowed.items() if not ok]  # fmt: skip
+    if loss_mode in TOKEN_LEVEL_LOSSES and params.granularity != DEFAULT_GRANULARITY:
+        errors.append(("granularity", params.granularity, f"has no effect with loss_mode={loss_mode!r} (the "
+                       "token-level rule scores every token): remove the key, or use loss_mode=sat_gspo"))  # fmt: skip
+    return errors
+
+
+def check_sat_params(params: SatParams, key_format: str, loss_mode: str | None = None) -> None:
+    """Raise ``ValueError`` for the first invalid hyperparameter, naming its config key ``key_format.format(name)``
+    (e.g. ``"actor_rollout_ref.actor.policy_loss.sat.{}"``), its value and what is allowed."""
+    errors = sat_param_errors(params, loss_mode)
+    if errors:
+        name, value, problem = errors[0]
+        raise ValueError(f"{key_format.format(name)}={value!r} {problem}")
 
 
 @dataclass(frozen=True)
@@ -283,7 +333,7 @@ def _masked_tail_quantile(values, num, alpha, method, weight) -> torch.Tensor:
 # ---- kernel and endpoints (Eqs. 15-17) -----------------------------------------------------------------------------
 
 
-def contraction_deficit(abs_proxy: torch.Tensor, q: torch.Tensor, gate: GateParams) -> torch.Tensor:
+def contraction_deficit(abs_proxy: torch.Tensor, q: torch.Tensor, gate: SatParams) -> torch.Tensor:
     """``1 - kappa(a; q)`` of the kernel (Eq. 16), any shape, at most ``1 - min_scale``; 0 for ``a <= q`` under
     ``hill_shifted``, meaningful on gated units (``a > q``) under ``hill``.
 
@@ -306,7 +356,7 @@ def trust_region(
     unit_mask: torch.Tensor,
     clip_low: float,
     clip_high: float,
-    gate: GateParams,
+    gate: SatParams,
     loss_dtype: torch.dtype,
     weight: torch.Tensor | None = None,
     num_units: torch.Tensor | None = None,
@@ -421,7 +471,7 @@ def sat_token_surrogate(
     clip_low: float,
     clip_high: float,
     clip_ratio_c: float,
-    gate: GateParams,
+    gate: SatParams,
 ) -> SatSurrogate:
     """Token-level SAT (SAT-PPO / SAT-GRPO, Eq. 18): verl's dual-clip PPO with per-token SAT endpoints.
 
@@ -466,7 +516,7 @@ def sat_gspo_surrogate(
     response_mask: torch.Tensor,
     clip_low: float,
     clip_high: float,
-    gate: GateParams,
+    gate: SatParams,
     granularity: str = "sequence",
 ) -> SatSurrogate:
     """GSPO-token surrogate with SAT endpoints (Eqs. 19-20), no dual clip; ``s_i`` and the ratio are built exactly as

@@ -39,7 +39,7 @@ from verl.utils.torch_functional import entropy_from_logits
 from verl.workers.config import ActorConfig
 from verl.workers.utils.losses import ppo_loss
 
-from verl_sat.config import resolve_sat_config
+from verl_sat.config import sat_params_of
 from verl_sat.embedded.attribution import StalenessSplit, sat_gate
 from verl_sat.embedded.decode import position_ids, response_log_probs
 from verl_sat.embedded.rollout import RolloutBatch
@@ -161,7 +161,7 @@ def train_step(
         step_metrics.update(correction)
 
     loss_mode = actor.policy_loss.get("loss_mode", "vanilla")
-    sat = resolve_sat_config(actor.policy_loss) if loss_mode in ("sat", "sat_gspo") else None
+    sat = sat_params_of(actor.policy_loss, loss_mode) if loss_mode in ("sat", "sat_gspo") else None
     clip_low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
     clip_high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
     split, mismatch_sum, mismatch_tokens = StalenessSplit(), 0.0, 0
