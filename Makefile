@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.verl-sat-installed
 WORKDIR ?= verl_sat_work
 
-.PHONY: install doctor demo test bench lint clean
+.PHONY: install doctor demo test bench lint upstream clean
 
 install: $(STAMP)
 
@@ -33,6 +33,10 @@ bench: install
 	$(PY) benchmarks/bench_losses.py
 	$(PY) benchmarks/bench_routing_replay.py
 	$(PY) benchmarks/bench_embedded.py --workdir $(WORKDIR)
+
+# SAT and FSDP routing replay as a patch series against verl 0.9.1, generated from this package, plus PR.md
+upstream: install
+	$(VENV)/bin/verl-sat upstream --out $(WORKDIR)/upstream
 
 lint: install
 	$(VENV)/bin/ruff check verl_sat tests benchmarks recipes setup.py

@@ -46,7 +46,8 @@ setup(
     # the top-level recipes/ folder is the Hydra config group, shipped as verl_sat.recipes (pkg://verl_sat.recipes)
     packages=[*find_packages(include=["verl_sat", "verl_sat.*"]), "verl_sat.recipes"],
     package_dir={"verl_sat.recipes": "recipes"},
-    package_data={"verl_sat.recipes": ["*/*.yaml"]},
+    # upstream/templates: the test files the upstream patch series adds to verl
+    package_data={"verl_sat.recipes": ["*/*.yaml"], "verl_sat.upstream": ["templates/*.py"]},
     install_requires=install_requires,
     extras_require=extras_require,
     entry_points={

@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument(
         "--command", dest="made_by", action="append", default=[], help="a command that made the records (repeatable)"
     )
+    up = commands.add_parser("upstream", help="write SAT and FSDP routing replay as a patch series for verl 0.9.1")
+    up.add_argument("--out", required=True, help="output folder: 0001-*.patch, 0002-*.patch and PR.md")
+    up.add_argument("--repo", default=None, help="the verl-sat checkout (default: the one this package runs from)")
     args = parser.parse_args(argv)
     if args.command == "doctor":
         return run_doctor()
@@ -78,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         return _sweep(args)
     if args.command == "report":
         return _report(args)
+    if args.command == "upstream":
+        return _upstream(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 
@@ -219,6 +224,29 @@ def _report(args: argparse.Namespace) -> int:
     write_report(out, records, args.made_by)
     print((out / "results.md").read_text())
     return 0
+
+
+def _upstream(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from verl_sat.upstream import write_upstream
+    from verl_sat.upstream.edit import UpstreamDriftError
+
+    try:
+        written = write_upstream(Path(args.out), None if args.repo is None else Path(args.repo))
+    except UpstreamDriftError as err:
+        print(f"verl-sat upstream: {err}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    print(f"apply in a verl v{_verl_version()} checkout: git am --keep-non-patch {args.out}/*.patch (see PR.md)")
+    return 0
+
+
+def _verl_version() -> str:
+    from verl_sat.upstream.series import VERL_VERSION
+
+    return VERL_VERSION
 
 
 if __name__ == "__main__":

@@ -43,7 +43,8 @@ def compute_policy_loss_sat(
 
     Args:
         old_log_prob, log_prob, advantages: ``[B, T]``; response_mask: ``[B, T]``.
-        config: the actor config; reads the clip radii, ``clip_ratio_c`` and ``policy_loss.sat``.
+        config: the actor config; reads the clip radii, ``clip_ratio_c`` and the SAT hyperparameters of
+            ``policy_loss`` (``sat_params_of``).
         rollout_is_weights: optional ``[B, T]`` rollout-correction weights multiplied into the loss.
     """
     clip_low, clip_high = _sat_clip_radii(config)
@@ -66,7 +67,7 @@ def compute_policy_loss_sat_gspo(
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """SAT-GSPO: verl's ``gspo`` (GSPO-token ratio) with staleness-adaptive endpoints (Eqs. 19-20).
 
-    Args: as ``compute_policy_loss_sat``; ``policy_loss.sat.granularity`` selects the score unit.
+    Args: as ``compute_policy_loss_sat``; the SAT hyperparameter ``granularity`` selects the score unit.
     """
     clip_low, clip_high = _sat_clip_radii(config)
     sat = sat_params_of(config.policy_loss, "sat_gspo")
@@ -79,7 +80,9 @@ def compute_policy_loss_sat_gspo(
 
 def _sat_clip_radii(config: DictConfig | ActorConfig | None) -> tuple[float, float]:
     if config is None:
-        raise ValueError("the SAT losses need the actor config (clip radii and policy_loss.sat); got config=None")
+        raise ValueError(
+            "the SAT losses need the actor config (clip radii and the SAT keys of policy_loss); got config=None"
+        )
     clip_low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
     clip_high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
     return clip_low, clip_high

@@ -47,8 +47,8 @@ class SatParams:
     Args:
         quantile (float): Tail quantile alpha in (0, 1); units with |d| above the alpha-quantile q of the
             micro-batch are gated (Eq. 14).
-        quantile_method (str): "inverted_cdf" (the paper's lower empirical quantile: the ceil(alpha * n)-th smallest,
-            no interpolation) or "linear" (torch.quantile's interpolation).
+        quantile_method (str): How q is read off the sorted |d|: "inverted_cdf" (the paper's lower empirical
+            quantile: the ceil(alpha * n)-th smallest, no interpolation) or "linear" (torch.quantile's interpolation).
         kernel (str): Contraction kernel (Eq. 16), "hill" (kappa = q^n / (q^n + a^n)) or "hill_shifted"
             (kappa = 1 / (1 + ((a - q) / q)^n), continuous at q).
         kernel_exponent (float): Hill exponent n > 0.
@@ -90,7 +90,7 @@ def sat_param_errors(params: SatParams, loss_mode: str | None = None) -> list[tu
 
 def check_sat_params(params: SatParams, key_format: str, loss_mode: str | None = None) -> None:
     """Raise ``ValueError`` for the first invalid hyperparameter, naming its config key ``key_format.format(name)``
-    (e.g. ``"actor_rollout_ref.actor.policy_loss.sat.{}"``), its value and what is allowed."""
+    (e.g. ``"actor_rollout_ref.actor.policy_loss.sat_{}"``), its value and what is allowed."""
     errors = sat_param_errors(params, loss_mode)
     if errors:
         name, value, problem = errors[0]

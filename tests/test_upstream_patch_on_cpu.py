@@ -1,0 +1,216 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""``verl-sat upstream``: the patch series applies to verl 0.9.1's installed source, and in that patched copy, in a
+fresh interpreter where verl-sat cannot be imported, the SAT loss tests, the FSDP routing-replay tests and verl's
+own policy-loss tests pass; the series is byte-for-byte deterministic; the patched Python is formatted and lint-clean;
+a verl that moved the edited code makes generation fail, naming the file."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verl_sat.cli import main as cli_main
+from verl_sat.upstream import PATCHES, R3_TEST, SAT_TEST, write_upstream
+from verl_sat.upstream.edit import UpstreamDriftError
+from verl_sat.upstream.examples import SCRIPTS
+from verl_sat.upstream.generated_configs import CONFIG_DIR, GENERATED, regenerate
+from verl_sat.upstream.pr_text import UPSTREAM_TESTS
+from verl_sat.upstream.sat_patch import CORE_ALGOS, key_mapping, sat_changes
+from verl_sat.upstream.series import verl_site_root
+
+REPO = Path(__file__).resolve().parent.parent
+# in the patched interpreter: verl-sat is not importable (and verl's plugin loader skips external plugins)
+BLOCK_VERL_SAT = "import sys\nsys.modules['verl_sat'] = None\n"
+
+
+def _verl_copy(dest: Path) -> Path:
+    """verl 0.9.1 as the wheel installed it (``verl/`` and the wheel's ``tests/``), copied to ``dest``."""
+    site = verl_site_root()
+    for name in ("verl", "tests"):
+        shutil.copytree(site / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return dest
+
+
+def _git_apply(tree: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "apply", *args], cwd=tree, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def series(tmp_path_factory):
+    """The series written by the CLI, and a copy of verl 0.9.1 it was applied to (``--check`` first)."""
+    out = tmp_path_factory.mktemp("upstream")
+    assert cli_main(["upstream", "--out", str(out)]) == 0
+    patches = sorted(out.glob("*.patch"))
+    tree = _verl_copy(tmp_path_factory.mktemp("verl"))
+    for patch in patches:
+        check = _git_apply(tree, "--check", str(patch))
+        assert check.returncode == 0, check.stderr
+        applied = _git_apply(tree, str(patch))
+        assert applied.returncode == 0, applied.stderr
+    return out, patches, tree
+
+
+def _patched_python(tree: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    (tmp_path / "block").mkdir(exist_ok=True)
+    (tmp_path / "block" / "sitecustomize.py").write_text(BLOCK_VERL_SAT)
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{tmp_path / 'block'}", "VERL_USE_EXTERNAL_PLUGINS": "none"}
+    return subprocess.run([sys.executable, *args], cwd=tree, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_generated_trainer_configs_are_reproduced_from_verls_config_tree(tmp_path):
+    """The regeneration the series relies on gives verl 0.9.1's shipped ``_generated_*.yaml`` byte for byte."""
+    site = verl_site_root()
+    shutil.copytree(site / CONFIG_DIR, tmp_path / CONFIG_DIR, ignore=shutil.ignore_patterns("__pycache__"))
+    regenerated = regenerate(tmp_path)
+    assert sorted(regenerated) == sorted(f"{CONFIG_DIR}/{name}" for name in GENERATED)
+    for path, text in regenerated.items():
+        assert text == (site / path).read_text(), path
+
+
+def test_series_has_two_patches_and_a_pr_text(series):
+    out, patches, _ = series
+    assert [p.name[:5] for p in patches] == ["0001-", "0002-"]
+    texts = [p.read_text() for p in patches]
+    assert "Subject: [PATCH 1/2] [algo] feat: SAT" in texts[0]
+    assert "Subject: [PATCH 2/2] [fsdp] feat: rollout routing replay (R3)" in texts[1]
+    for path in (
+        "verl/trainer/ppo/sat_math.py",
+        "verl/trainer/ppo/core_algos.py",
+        "verl/workers/config/actor.py",
+        "verl/trainer/config/actor/actor.yaml",
+        "docs/algo/sat.md",
+        SAT_TEST,
+        *(f"{CONFIG_DIR}/{name}" for name in GENERATED),
+        *(target for target, _ in SCRIPTS.values()),
+    ):
+        assert f"diff --git a/{path} b/{path}" in texts[0], path  # fmt: skip
+    for path in (
+        "verl/workers/engine/fsdp/transformer_impl.py",
+        "verl/trainer/config/engine/fsdp.yaml",
+        "verl/workers/config/actor.py",
+        "verl/models/transformers/router_replay.py",
+        R3_TEST,
+    ):
+        assert f"diff --git a/{path} b/{path}" in texts[1], path  # fmt: skip
+    pr = (out / "PR.md").read_text()
+    assert pr.startswith("# [algo] feat: SAT")
+    for plugin_key, verl_key in key_mapping():
+        assert f"| `{plugin_key}` | `{verl_key}` |" in pr
+    assert "| SAT-GSPO w/ R3 | 35.83 | 34.79 |" in pr  # the paper's Table 1
+    assert "verl-sat sweep --workdir W --name table1" in pr  # the command behind our numbers
+    assert re.search(r"\| sat_gspo \| gspo \| lag8 \| 3 \| [+-]\d+\.\d \(0\.\d{3}\)", pr)
+
+
+def test_patched_verl_passes_sat_r3_and_verls_tests_without_the_plugin(series, tmp_path):
+    _, _, tree = series
+    probe = _patched_python(tree, tmp_path, "-c", (
+        "import importlib.util, verl\n"
+        "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R\n"
+        "try:\n    import verl_sat\nexcept ImportError:\n    print('verl_sat not importable')\n"
+        "print(verl.__file__)\nprint(R['sat'].__module__, R['sat_gspo'].__module__)"
+    ))  # fmt: skip
+    assert probe.returncode == 0, probe.stderr
+    lines = probe.stdout.splitlines()
+    assert lines[0] == "verl_sat not importable"
+    assert lines[1] == str(tree / "verl" / "__init__.py")
+    assert lines[2] == "verl.trainer.ppo.core_algos verl.trainer.ppo.core_algos"
+    run = _patched_python(tree, tmp_path, "-m", "pytest", "-q", "-p", "no:cacheprovider", *UPSTREAM_TESTS)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    summary = run.stdout.strip().splitlines()[-1]  # e.g. "37 passed, 5 warnings in 5.40s"
+    passed = re.search(r"(\d+) passed", summary)
+    assert passed and int(passed[1]) >= 30 and not re.search(r"failed|error|skipped", summary), summary
+
+
+def test_example_overrides_are_keys_of_the_patched_config(series, tmp_path):
+    """Every `key=value` of the generated examples composes against the patched verl config without a `+`."""
+    _, _, tree = series
+    checks = []
+    for target, _ in SCRIPTS.values():
+        script = (tree / target).read_text()
+        assert "verl_sat" not in script and "verl-sat recipes" not in script
+        syntax = subprocess.run(["bash", "-n", str(tree / target)], capture_output=True, text=True)
+        assert syntax.returncode == 0, syntax.stderr
+        launch = re.search(r"python3 -m verl\.trainer\.main_ppo(.*?) \\\n(.*?)\n  \"\$@\"", script, re.S)
+        config_name = (
+            (launch[1].split("--config-name")[1].split() or ["ppo_trainer"])[0] if launch[1] else "ppo_trainer"
+        )
+        keys = re.findall(r"(?:^|\s)([a-z_][\w.]*)=", launch[2], re.M)
+        assert "actor_rollout_ref.actor.policy_loss.loss_mode" in keys
+        checks.append((config_name, keys))
+    code = (
+        "import os, sys, verl\nfrom hydra import compose, initialize_config_dir\n"
+        "config_dir = os.path.join(os.path.dirname(verl.__file__), 'trainer', 'config')\n"
+        f"for name, keys in {checks!r}:\n"
+        "    overrides = [k + '=' + ('[0.9,0.98]' if k.endswith('betas') else '1') for k in keys\n"
+        "                 if not k.endswith(('loss_mode', 'sat_kernel', 'sat_quantile_method', 'sat_granularity',\n"
+        "                                    'trainer_mode', 'adv_estimator', 'backend', 'loss_agg_mode', 'mode'))]\n"
+        "    with initialize_config_dir(config_dir=config_dir, version_base=None):\n"
+        "        cfg = compose(config_name=name, overrides=overrides)\n"
+        "    print(name, cfg.actor_rollout_ref.actor.policy_loss.sat_quantile)\n"
+    )
+    run = _patched_python(tree, tmp_path, "-c", code)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(run.stdout.splitlines()) == len(SCRIPTS)
+
+
+def test_patched_python_is_formatted_and_lint_clean(series):
+    _, patches, tree = series
+    changed = sorted({path for p in patches for path in re.findall(r"^\+\+\+ b/(\S+\.py)$", p.read_text(), re.M)})
+    assert "verl/workers/engine/fsdp/transformer_impl.py" in changed
+    files = [str(tree / path) for path in changed]
+    ruff = [sys.executable, "-m", "ruff"]
+    fmt = subprocess.run([*ruff, "format", "--isolated", "--line-length", "120", "--check", *files],
+                         capture_output=True, text=True)  # fmt: skip
+    assert fmt.returncode == 0, fmt.stdout + fmt.stderr
+    lint = subprocess.run([*ruff, "check", "--isolated", "--line-length", "120", "--select", "F,E9,E501", *files],
+                          capture_output=True, text=True)  # fmt: skip
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def test_generation_is_deterministic(series, tmp_path):
+    out, _, _ = series
+    again = write_upstream(tmp_path / "again")
+    assert [p.name for p in again] == sorted(p.name for p in out.iterdir())
+    for path in again:
+        assert path.read_bytes() == (out / path.name).read_bytes(), path.name
+
+
+def test_routing_replay_patch_applies_alone_to_verl_0_9_1(series, tmp_path):
+    _, patches, _ = series
+    check = _git_apply(_verl_copy(tmp_path), "--check", str(patches[1]))
+    assert check.returncode == 0, check.stderr
+
+
+def test_a_verl_that_moved_the_code_fails_generation_naming_the_file():
+    site = verl_site_root()
+
+    def read(path):
+        text = (site / path).read_text()
+        return (
+            text.replace('@register_policy_loss("sapo")', '@register_policy_loss("sapo_v2")')
+            if path == CORE_ALGOS
+            else text
+        )
+
+    with pytest.raises(UpstreamDriftError, match=r"verl/trainer/ppo/core_algos\.py: expected exactly one occurrence"):
+        sat_changes(read)
+
+
+def test_series_patches_are_the_two_documented():
+    assert [p.subject.split("]")[0] for p in PATCHES] == ["[algo", "[fsdp"]

@@ -1,0 +1,86 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""``verl-sat upstream --out DIR``: SAT and FSDP routing replay as a pull request to verl 0.9.1, generated from this
+package's own source (``series`` builds the commits; ``sat_patch``, ``r3_patch``, ``docs_page`` and ``examples``
+make their files; ``pr_text`` writes ``PR.md``)."""
+
+from pathlib import Path
+
+import verl_sat
+from verl_sat.upstream import r3_patch, sat_patch
+from verl_sat.upstream.docs_page import SOURCE as DOCS_SOURCE
+from verl_sat.upstream.docs_page import TARGET as DOCS_TARGET
+from verl_sat.upstream.docs_page import docs_page
+from verl_sat.upstream.edit import UpstreamDriftError
+from verl_sat.upstream.examples import example_scripts
+from verl_sat.upstream.pr_text import pr_markdown
+from verl_sat.upstream.series import Patch, write_series
+
+TEMPLATES = Path(__file__).parent / "templates"
+SAT_TEST = "tests/trainer/ppo/test_sat_policy_loss_on_cpu.py"
+R3_TEST = "tests/workers/engine/test_fsdp_router_replay_on_cpu.py"
+
+PATCHES = [
+    Patch(
+        subject="[algo] feat: SAT (Staleness-Adaptive Trust Region) policy losses sat and sat_gspo",
+        body=(
+            "Add the token-level `sat` (SAT-GRPO) and sequence-level `sat_gspo` (SAT-GSPO) policy losses of\n"
+            "arXiv 2607.18722 next to `vanilla` and `gspo`: PPO's / GSPO's clip interval for ordinary tokens, and for\n"
+            "the high-mismatch tail of each micro-batch the endpoint the token has drifted toward is contracted.\n"
+            "With nothing gated both are exactly `vanilla` / `gspo`. New `sat_*` keys of `PolicyLossConfig`,\n"
+            "validated when the config is built; docs/algo/sat.md; examples/sat_trainer; CPU tests."
+        ),
+        edits=(sat_patch.CORE_ALGOS, sat_patch.ACTOR_CONFIG, sat_patch.ACTOR_YAML),
+        changes=lambda read, repo: {
+            **sat_patch.sat_changes(read),
+            DOCS_TARGET: docs_page(repo),
+            **example_scripts(repo),
+            SAT_TEST: (TEMPLATES / Path(SAT_TEST).name).read_text(),
+        },
+    ),
+    Patch(
+        subject="[fsdp] feat: rollout routing replay (R3) for Hugging Face MoE models in the FSDP engine",
+        body=(
+            "The FSDP engine ignored `routed_experts`. With `fsdp_config.router_replay.mode=R3` it now replays the\n"
+            "rollout engine's expert choices in the actor's compute_log_prob and update forwards (the router still\n"
+            "computes the weights, so it keeps learning), as the Megatron and VeOmni engines do. Model-level replay\n"
+            "for Qwen2/3-MoE, Qwen3-Next, Qwen3.5-MoE, OLMoE, Mixtral, GPT-OSS, DeepSeek-V3 and GLM4-MoE;\n"
+            "`FSDPActorConfig` refuses R2, fsdp_turbo and unpacked inputs with R3. Addresses #3762 and #5392."
+        ),
+        edits=(r3_patch.FSDP_ENGINE, r3_patch.FSDP_YAML, r3_patch.ACTOR_CONFIG),
+        changes=lambda read, repo: {
+            **r3_patch.r3_changes(read),
+            R3_TEST: (TEMPLATES / Path(R3_TEST).name).read_text(),
+        },
+    ),
+]
+
+
+def source_checkout() -> Path:
+    """The verl-sat checkout this package runs from (its docs, examples and measured results feed the series)."""
+    root = Path(verl_sat.__file__).resolve().parent.parent
+    if not (root / DOCS_SOURCE).is_file():
+        raise UpstreamDriftError(
+            f"{root} is not a verl-sat source checkout (no {DOCS_SOURCE}): pass --repo with the checkout's path"
+        )
+    return root
+
+
+def write_upstream(out: Path, repo: Path | None = None) -> list[Path]:
+    """Write the patch series and ``PR.md`` into ``out``; return the files written."""
+    repo = source_checkout() if repo is None else repo
+    written = write_series(out, repo, PATCHES)
+    pr = out / "PR.md"
+    pr.write_text(pr_markdown(repo, written, [patch.subject for patch in PATCHES]))
+    return [path for path, _ in written] + [pr]

@@ -1,0 +1,99 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""``docs/algo/sat.md`` for verl, derived from verl-sat's ``docs/sat.md``: the same page (verl's algo-page shape) with
+the plugin's enabling instructions and key table replaced by verl's flat keys, the plugin's own tools left out and
+``sat.<name>`` renamed ``sat_<name>``. Anything plugin-specific left over fails generation."""
+
+import re
+from dataclasses import fields
+from pathlib import Path
+
+from verl_sat.sat_math import SatParams
+from verl_sat.upstream.edit import UpstreamDriftError, replace_once
+from verl_sat.upstream.sat_patch import FLAT_PREFIX, UPSTREAM_KEY, param_docs
+
+SOURCE = "docs/sat.md"
+TARGET = "docs/algo/sat.md"
+# exact phrases of docs/sat.md that name the plugin, and what verl's page says instead
+SUBSTITUTIONS = (
+    ("verl-sat registers it as two verl policy losses", "verl implements it as two policy losses"),
+    ("Properties, each a test in `tests/test_sat_properties_on_cpu.py` for", "Properties, each tested for"),
+    ("; see [benchmarks.md](benchmarks.md).", "."),
+    (" [recipes.md](recipes.md) has all 13 rows.", ""),
+)
+DROPPED_PARAGRAPH_MARKERS = ("verl_sat.main",)  # paragraphs about the plugin's own entry points
+LEFTOVER = re.compile(r"verl-sat|verl_sat|\]\((?!https?://)[^)]*\)")  # plugin names, links to the plugin's pages
+HOW_TO_ENABLE = """## How to enable
+
+Set the loss mode and, if needed, the `sat_*` keys of `actor_rollout_ref.actor.policy_loss` (defaults below are the
+paper's). SAT's staleness proxy is `log_prob - old_log_prob`, so run the asynchronous v1 trainer in bypass mode:
+
+```bash
+python3 -m verl.trainer.main_ppo \\
+  algorithm.adv_estimator=grpo \\
+  algorithm.rollout_correction.bypass_mode=True \\
+  trainer.use_v1=True \\
+  actor_rollout_ref.actor.policy_loss.loss_mode=sat_gspo \\
+  actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean \\
+  actor_rollout_ref.actor.clip_ratio_low=0.2 actor_rollout_ref.actor.clip_ratio_high=0.2 \\
+  actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=32768 \\
+  {quantile_key}=0.9 \\
+  ...
+```
+
+For SAT-GRPO use `loss_mode=sat` (`examples/sat_trainer/` aggregate every method with `seq-mean-token-mean`, one
+rule for all as in the paper). `examples/sat_trainer/` has the paper's setup
+(Qwen3-30B-A3B, Megatron, SGLang) and a dense-model FSDP run.
+"""
+
+
+def docs_page(repo: Path) -> str:
+    """verl's ``docs/algo/sat.md`` from ``repo``'s ``docs/sat.md``."""
+    source = repo / SOURCE
+    if not source.is_file():
+        raise UpstreamDriftError(f"{source} not found: run `verl-sat upstream` from a verl-sat source checkout")
+    text = source.read_text()
+    for old, new in SUBSTITUTIONS:
+        text = replace_once(text, old, new, SOURCE)
+    sections = re.split(r"(?m)^(?=## )", text)
+    kept = []
+    for section in sections:
+        if section.startswith("## How to enable"):
+            section = HOW_TO_ENABLE.format(quantile_key=UPSTREAM_KEY.format("quantile")) + "\n"
+        elif section.startswith("## Keys"):
+            section = _keys_section() + "\n"
+        paragraphs = [p for p in section.split("\n\n") if not any(m in p for m in DROPPED_PARAGRAPH_MARKERS)]
+        kept.append("\n\n".join(paragraphs))
+    page = "".join(kept).rstrip("\n") + "\n"
+    for f in fields(SatParams):
+        page = re.sub(rf"`sat\.{f.name}\b", f"`{FLAT_PREFIX}{f.name}", page)
+    leftover = sorted(set(LEFTOVER.findall(page)))
+    if leftover:
+        raise UpstreamDriftError(f"{SOURCE} mentions {leftover}, which verl's page cannot: extend {__name__}")
+    return page
+
+
+def _keys_section() -> str:
+    docs = param_docs()
+    rows = "".join(
+        f"| `{FLAT_PREFIX}{f.name}` | `{f.default}` | {docs[f.name][1].replace('|', chr(92) + '|')} |\n"
+        for f in fields(SatParams)
+    )
+    return (
+        "## Keys (`actor_rollout_ref.actor.policy_loss.sat_*`)\n\n"
+        "| key | default | meaning |\n|---|---|---|\n" + rows + "\n"
+        "Bad values fail when `PolicyLossConfig` is built, naming the key, the value and the allowed range, e.g.\n"
+        f"`{UPSTREAM_KEY.format('quantile')}=1.5 is invalid: expected a float in the open interval (0, 1)`. The clip\n"
+        "radii are verl's own `clip_ratio_low`, `clip_ratio_high` (falling back to `clip_ratio`) and `clip_ratio_c`.\n"
+    )
