@@ -48,6 +48,23 @@ def insert_after(text: str, anchor: str, block: str, where: str) -> str:
     return replace_once(text, anchor, anchor + block, where)
 
 
+def standalone_source(module: ModuleType) -> str:
+    """The whole source of a verl-sat module that is copied into verl as it is, which it can only be if it imports
+    neither verl nor verl-sat."""
+    source = inspect.getsource(module)
+    imported = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            imported.add((node.module or "").split(".")[0])
+        elif isinstance(node, ast.Import):
+            imported.update(alias.name.split(".")[0] for alias in node.names)
+    if imported & {"verl", "verl_sat"} or "verl_sat" in source:
+        raise UpstreamDriftError(
+            f"{module.__name__} must import neither verl nor verl_sat: it is copied into verl as is"
+        )
+    return source
+
+
 def definitions_source(module: ModuleType, names: list[str] | None = None) -> str:
     """The source of ``module``'s top-level functions and classes (decorators included), in file order, separated by
     two blank lines: all of them, or ``names`` (each must exist)."""
