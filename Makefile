@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.verl-sat-installed
 WORKDIR ?= verl_sat_work
 
-.PHONY: install doctor demo test bench lint upstream clean
+.PHONY: install doctor demo test e2e bench lint upstream clean
 
 install: $(STAMP)
 
@@ -14,7 +14,7 @@ $(STAMP): setup.py
 	$(PY) -m pip install --quiet --upgrade pip
 	# the CPU build of torch lies on disk; install it first so nothing pulls a CUDA build
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,e2e]'
 	touch $(STAMP)
 
 doctor: install
@@ -28,6 +28,12 @@ demo: install
 
 test: install
 	$(PY) -m pytest tests -q
+
+# verl's own separate-async trainer on this CPU for a few steps: SAT-GSPO with FSDP routing replay at paper lag 1 (and
+# its resume from verl's checkpoint), GRPO at paper lag 8; prints the SAT, R3 and staleness metrics verl logged
+e2e: install
+	$(VENV)/bin/verl-sat prepare --workdir $(WORKDIR) --if-needed
+	$(VENV)/bin/verl-sat e2e --workdir $(WORKDIR)
 
 bench: install
 	$(PY) benchmarks/bench_losses.py

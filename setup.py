@@ -32,6 +32,9 @@ extras_require = {
     "vllm": ["verl[vllm]==0.9.1"],
     "megatron": ["verl[megatron]==0.9.1"],
     "gpu": ["verl[flash-attn-cu130torch211]==0.9.1"],
+    # verl's v1 trainer on a CPU (`verl-sat e2e`): the parts of verl's `verl-core` extra its transfer queue and
+    # servers import (the whole extra also pulls GPU-only packages)
+    "e2e": ["TransferQueue>=0.1.10", "pyzmq", "msgspec", "cachetools", "uvicorn", "fastapi", "orjson"],
     "test": ["pytest>=8", "ruff>=0.6", "setuptools>=70.1"],  # setuptools: the wheel-content test builds a wheel
 }
 

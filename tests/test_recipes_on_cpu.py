@@ -451,9 +451,10 @@ def test_recipes_command_lists_every_row_with_the_papers_numbers():
         else:
             current = line.split()[0]
             sections[current] = {}
-    assert list(sections) == ["+recipe=NAME", "+lag=NAME", "+radii=NAME", "r3=NAME"]
+    assert list(sections) == ["+recipe=NAME", "+lag=NAME", "+radii=NAME", "r3=NAME", "+cpu=NAME"]
     assert set(sections["+recipe=NAME"]) == set(RECIPES) and set(sections["+lag=NAME"]) == set(LAGS)
     assert set(sections["r3=NAME"]) == {"fsdp", "megatron"} and set(sections["+radii=NAME"]) == {"gspo"}
+    assert set(sections["+cpu=NAME"]) == {"e2e"}
     lines = sections["+recipe=NAME"]
     for name, row in PAPER_TABLE_1.items():
         assert f"{row.lag1:.2f} / {row.lag8:.2f}" in lines[name]
@@ -472,11 +473,13 @@ def test_wheel_ships_the_recipes(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {
         "recipe": RECIPES, "lag": LAGS, "r3": ["megatron", "fsdp"], "paper": ["table9"], "correction": ["tis"],
-        "method": list(LOSS_MODE), "radii": ["gspo"], "embedded": ["default"],
+        "method": list(LOSS_MODE), "radii": ["gspo"], "embedded": ["default"], "cpu": ["e2e"],
     }  # fmt: skip
     for group, entries in shipped.items():
         for entry in entries:
             assert f"verl_sat/recipes/{group}/{entry}.yaml" in names, (group, entry)
+    for template in ("test_sat_policy_loss_on_cpu.py", "test_fsdp_router_replay_on_cpu.py"):  # verl-sat upstream
+        assert f"verl_sat/upstream/templates/{template}" in names
 
 
 @pytest.mark.parametrize(

@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument(
         "--command", dest="made_by", action="append", default=[], help="a command that made the records (repeatable)"
     )
+    e2e = commands.add_parser("e2e", help="verl's own asynchronous trainer on this CPU for a few steps (docs/cpu.md)")
+    e2e.add_argument("--workdir", default="verl_sat_work", help="prepared folder (default: verl_sat_work)")
+    e2e.add_argument("--runs", default=None, help="comma-separated run names (default: all, see docs/cpu.md)")
     up = commands.add_parser("upstream", help="write SAT and FSDP routing replay as a patch series for verl 0.9.1")
     up.add_argument("--out", required=True, help="output folder: 0001-*.patch, 0002-*.patch and PR.md")
     up.add_argument("--repo", default=None, help="the verl-sat checkout (default: the one this package runs from)")
@@ -83,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         return _report(args)
     if args.command == "upstream":
         return _upstream(args)
+    if args.command == "e2e":
+        return _e2e(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 
@@ -223,6 +228,28 @@ def _report(args: argparse.Namespace) -> int:
     out = Path(args.out)
     write_report(out, records, args.made_by)
     print((out / "results.md").read_text())
+    return 0
+
+
+def _e2e(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from verl_sat.cpu.e2e import RUNS, E2EFailed, format_results, run_e2e
+    from verl_sat.embedded.prepare import WorkdirError, check_prepared
+
+    names = [run.name for run in RUNS]
+    chosen = names if args.runs is None else args.runs.split(",")
+    unknown = sorted(set(chosen) - set(names))
+    if unknown:
+        print(f"verl-sat e2e: unknown runs {unknown}; the runs are {names}", file=sys.stderr)
+        return 2
+    try:
+        check_prepared(args.workdir)
+        results = run_e2e(Path(args.workdir), tuple(run for run in RUNS if run.name in chosen))
+    except (WorkdirError, E2EFailed) as err:
+        print(f"verl-sat e2e: {err}", file=sys.stderr)
+        return 1
+    print(format_results(results))
     return 0
 
 

@@ -103,7 +103,10 @@ def main() -> None:
         from hydra.errors import HydraException
 
         try:
-            for warning in check_config(compose_from_args(args)):
+            config = compose_from_args(args)
+            if config.trainer.get("device") == "cpu":  # before the checks: they may import verl's engines
+                args = [*args, *use_cpu(config)]
+            for warning in check_config(config):
                 print(f"verl-sat: warning: {warning}", file=sys.stderr)
         except (PreflightError, HydraException) as err:  # Hydra's message lists e.g. the valid recipe names
             sys.exit(f"verl-sat: {err}")
@@ -111,6 +114,19 @@ def main() -> None:
     from verl.trainer.main_ppo import main as verl_main
 
     verl_main()
+
+
+def use_cpu(config: DictConfig) -> list[str]:
+    """A ``trainer.device=cpu`` run: select verl-sat's CPU platform in this process (an import error stops the run
+    here, with the real exception) and in every Ray worker; return the overrides that pass it to the workers."""
+    import verl_sat.cpu
+
+    os.environ[verl_sat.cpu.PLATFORM_ENV] = verl_sat.cpu.PLATFORM_NAME
+    verl_sat.cpu.activate()
+    env_vars = config.ray_kwargs.ray_init.runtime_env.get("env_vars")
+    prefix = "" if env_vars is not None and verl_sat.cpu.PLATFORM_ENV in env_vars else "+"
+    key = f"ray_kwargs.ray_init.runtime_env.env_vars.{verl_sat.cpu.PLATFORM_ENV}"
+    return [f"{prefix}{key}={verl_sat.cpu.PLATFORM_NAME}"]
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ def check_config(config: DictConfig) -> list[str]:
     policy_loss = _check_policy_loss_config(actor.policy_loss)
     _check_trainer(config, loss_mode)
     _check_routing_replay(config)
+    _check_device(config)
     return micro_batch_warnings(actor, policy_loss)
 
 
@@ -98,6 +99,33 @@ def _check_trainer(config: DictConfig, loss_mode: str) -> None:
         raise PreflightError(
             f"trainer.use_v1=false with algorithm.rollout_correction.bypass_mode=true: verl's legacy trainer replaces "
             f"policy_loss.loss_mode={loss_mode!r} with 'bypass_mode'. Use the v1 trainer (trainer.use_v1=true)."
+        )
+
+
+def _check_device(config: DictConfig) -> None:
+    """A ``trainer.device=cpu`` job runs verl's trainer on verl-sat's CPU pieces (``verl_sat.cpu``); verl's GPU
+    rollouts and weight transports cannot run there, and verl-sat's CPU rollout serves nothing else."""
+    from verl_sat.cpu import CHECKPOINT_BACKEND, ROLLOUT_NAME
+
+    rollout = config.actor_rollout_ref.rollout
+    cpu = config.trainer.get("device") == "cpu"
+    expected = {
+        "actor_rollout_ref.rollout.name": (rollout.get("name"), ROLLOUT_NAME),
+        "actor_rollout_ref.rollout.checkpoint_engine.backend": (rollout.checkpoint_engine.get("backend"),
+                                                                CHECKPOINT_BACKEND),
+        "actor_rollout_ref.hybrid_engine": (config.actor_rollout_ref.get("hybrid_engine", True), False),
+    }  # fmt: skip
+    if cpu:
+        for key, (value, wanted) in expected.items():
+            if value != wanted:
+                raise PreflightError(
+                    f"trainer.device=cpu needs {key}={wanted}, got {value!r}: add +cpu=e2e (verl-sat's CPU sizes) "
+                    "or set the key"
+                )
+    elif rollout.get("name") == ROLLOUT_NAME:
+        raise PreflightError(
+            f"actor_rollout_ref.rollout.name={ROLLOUT_NAME} is verl-sat's CPU rollout: set trainer.device=cpu, or "
+            "choose a GPU rollout (vllm, sglang)"
         )
 
 

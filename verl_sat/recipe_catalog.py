@@ -17,8 +17,9 @@ paper's Table 1 numbers beside the recipes that are its rows."""
 from dataclasses import dataclass
 from importlib.resources import files
 
-RECIPE_GROUPS = ("recipe", "lag", "radii", "r3")  # listed by `verl-sat recipes`
-GROUP_USAGE = {"recipe": "+recipe=NAME", "lag": "+lag=NAME", "radii": "+radii=NAME", "r3": "r3=NAME (with *_r3)"}
+RECIPE_GROUPS = ("recipe", "lag", "radii", "r3", "cpu")  # listed by `verl-sat recipes`
+GROUP_USAGE = {"recipe": "+recipe=NAME", "lag": "+lag=NAME", "radii": "+radii=NAME", "r3": "r3=NAME (with *_r3)",
+               "cpu": "+cpu=NAME (with trainer.device=cpu)"}  # fmt: skip
 
 
 @dataclass(frozen=True)

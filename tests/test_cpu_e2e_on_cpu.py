@@ -1,0 +1,39 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""verl's real entry point and v1 separate-async trainer on this CPU (``python -m verl_sat.main +recipe=sat_gspo_r3
++lag=lag1 r3=fsdp trainer.device=cpu +cpu=e2e``): Ray workers, verl's FSDP2 engine over gloo, verl-sat's CPU rollout
+server, the object-store weight sync, verl's transfer queue, replay buffer, agent and reward loops, one trainer step,
+then a second invocation that resumes from verl's checkpoint. What it must show is read from verl's own metrics."""
+
+import math
+
+from verl_sat.cpu.e2e import R3_METRICS, RUNS, SAT_METRICS, STALENESS_METRICS, E2ERun, run_e2e
+
+
+def test_verls_async_trainer_runs_sat_gspo_with_fsdp_routing_replay_and_resumes(tiny_workdir, tmp_path):
+    base = next(run for run in RUNS if run.name == "sat_gspo_r3-lag1")
+    run = E2ERun(base.name, base.recipe_args, steps=1, resume=True, required=base.required)
+    result = run_e2e(tiny_workdir, (run,), out=tmp_path)[run.name]  # raises, naming the log, on any failure
+    steps = result["steps"]
+    assert sorted(steps) == [1, 2]  # step 2 comes from the invocation that resumed from global_step_1
+    for metrics in steps.values():
+        for key in (*SAT_METRICS, *R3_METRICS, *STALENESS_METRICS, "critic/score/mean"):
+            assert math.isfinite(metrics[key]), key
+        assert 0.0 <= metrics["actor/sat_gate_rate"] <= 0.1 + 1e-9  # at most 1 - alpha of the units (Eq. 14)
+        assert 0.0 <= metrics["actor/r3_route_flip_frac"] <= 1.0 and metrics["actor/r3_layers_replayed"] == 2.0
+        assert 0.0 <= metrics["critic/score/mean"] <= 1.0  # verl's reward loop, GSM8K scorer
+    assert steps[1]["training/off_policy/trajectory_staleness/max"] == 0  # the first batch: initial weights
+    checkpoints = tmp_path / run.name / "checkpoints"
+    assert (checkpoints / "global_step_1" / "actor").is_dir() and (checkpoints / "global_step_2" / "actor").is_dir()
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"

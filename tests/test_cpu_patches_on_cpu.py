@@ -1,0 +1,73 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""The verl code that verl-sat's CPU patches work around, pinned: each test fails when verl 0.9.1's code the patch
+relies on changes, or when the torch behaviour that makes the patch necessary goes away. Then each patch's effect."""
+
+import inspect
+import logging
+
+import pytest
+import torch
+import torch.distributed
+from verl.trainer.ppo.v1 import trainer_separate_async
+from verl.utils import distributed, fsdp_utils
+from verl.workers.engine.fsdp import transformer_impl
+
+from verl_sat.cpu import patches
+
+
+def test_pinned_backend_string_and_torchs_refusal():
+    """verl builds ``cpu:gloo,{device}:{backend}``; with device cpu and backend gloo torch refuses the string."""
+    expected = 'f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"'
+    assert expected in inspect.getsource(distributed.initialize_global_process_group)
+    assert expected in inspect.getsource(distributed.initialize_global_process_group_ray)
+    with pytest.raises(ValueError, match="Duplicate device type cpu"):
+        torch.distributed.distributed_c10d.BackendConfig("cpu:gloo,cpu:gloo")
+    assert patches.dedupe_backend("cpu:gloo,cpu:gloo") == "cpu:gloo"
+    assert patches.dedupe_backend("cpu:gloo,cuda:nccl") == "cpu:gloo,cuda:nccl"
+    assert patches.dedupe_backend("gloo") == "gloo" and patches.dedupe_backend(None) is None
+
+
+def test_pinned_forward_only_offload_policy_pins_memory():
+    source = inspect.getsource(transformer_impl.FSDPEngine._build_fsdp_module)
+    assert "if self.engine_config.offload_policy or self.engine_config.forward_only:" in source
+    assert "offload_policy = CPUOffloadPolicy(pin_memory=True)" in source
+    if not torch.accelerator.is_available():
+        with pytest.raises(RuntimeError):
+            torch.zeros(1).pin_memory()
+    assert patches.unpinned_offload_policy(pin_memory=True).pin_memory is False
+
+
+def test_pinned_flush_keyword_to_logging():
+    source = inspect.getsource(trainer_separate_async.PPOTrainerSeparateAsync._setup)
+    assert "flush=True," in source and "hybrid replicas disabled" in source
+    logger = logging.getLogger("verl_sat.test_flush")
+    logger.setLevel(logging.INFO)  # a record is only built (and the keyword refused) when the level is enabled
+    with pytest.raises(TypeError, match="flush"):
+        logger.info("x", flush=True)
+    patches.FlushTolerantLogger(logger, {}).info("x", flush=True)
+
+
+def test_pinned_sharded_save_aliases_on_cpu():
+    """``.detach().cpu()`` of a CPU tensor is the tensor itself: a "snapshot" that follows the optimizer."""
+    assert "local_gpu_tensor.detach().cpu()" in inspect.getsource(fsdp_utils.fsdp2_sharded_save_to_cpu)
+    param = torch.ones(3)
+    assert param.detach().cpu().data_ptr() == param.data_ptr()
+
+    def save(model):
+        return {"w": (model.detach().cpu(), "spec")}, "global"
+
+    state, spec = patches.copying_sharded_save(save)(param)
+    param.add_(1.0)
+    assert spec == "global" and state["w"][1] == "spec" and torch.equal(state["w"][0], torch.ones(3))

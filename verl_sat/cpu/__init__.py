@@ -1,0 +1,68 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""verl's own trainer on a CPU-only machine: the pieces verl's registries take (platform, FSDP engine for device
+``cpu``, rollout replica, checkpoint engine). Active only when a run asks for it (``trainer.device=cpu``, which
+``python -m verl_sat.main`` turns into ``VERL_PLATFORM=cpu`` for the driver and every Ray worker)."""
+
+import importlib
+import os
+
+PLATFORM_ENV = "VERL_PLATFORM"
+PLATFORM_NAME = "cpu"
+ROLLOUT_NAME = "hf_cpu"  # actor_rollout_ref.rollout.name
+CHECKPOINT_BACKEND = "ray_object_store"  # actor_rollout_ref.rollout.checkpoint_engine.backend
+
+
+def requested() -> bool:
+    """Whether this process runs a CPU job (``VERL_PLATFORM=cpu``)."""
+    return os.environ.get(PLATFORM_ENV, "").strip().lower() == PLATFORM_NAME
+
+
+def activate() -> None:
+    """Register the CPU pieces in verl's registries (idempotent). The platform goes first: importing verl's engines
+    resolves verl's platform. The rollout module is named, not imported: this runs inside ``import verl`` (the
+    plugin), possibly while that module is being imported."""
+    from verl.plugin.platform import PlatformRegistry, platform_manager
+
+    from verl_sat.cpu.platform import PlatformCPU
+
+    if PlatformRegistry.get(PLATFORM_NAME) is not PlatformCPU:
+        PlatformRegistry.register(platform=PLATFORM_NAME)(PlatformCPU)
+    resolved = platform_manager._current_platform
+    if resolved is not None and not isinstance(resolved, PlatformCPU):
+        raise RuntimeError(
+            f"verl's platform was already resolved as {type(resolved).__name__} in this process before verl-sat's CPU "
+            f"platform was registered: set {PLATFORM_ENV}={PLATFORM_NAME} before anything imports verl's engines"
+        )
+
+    from verl_sat.cpu import patches
+
+    patches.apply()
+
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+    from verl.workers.rollout import base as rollout_base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    from verl_sat.cpu import checkpoint_engine
+
+    # verl's own FSDP engines, for device "cpu" too (verl registers them for cuda and npu)
+    for model_type, engine in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
+        if PLATFORM_NAME not in EngineRegistry._engines.get(model_type, {}).get("fsdp2", {}):
+            EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device=PLATFORM_NAME)(engine)
+    # the rollout backend (rollout.name=hf_cpu) and the weight transport (checkpoint_engine.backend=ray_object_store)
+    RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: importlib.import_module("verl_sat.cpu.rollout").HFCPUReplica)
+    rollout_base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = "verl_sat.cpu.rollout.HFCPUServerAdapter"
+    CheckpointEngineRegistry.register(CHECKPOINT_BACKEND)(checkpoint_engine.RayObjectStoreCheckpointEngine)

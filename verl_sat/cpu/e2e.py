@@ -1,0 +1,190 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""``verl-sat e2e`` (``make e2e``): verl's real entry point and its v1 separate-async trainer on this CPU, on a
+prepared embedded workdir, for a few steps:
+
+1. ``+recipe=sat_gspo_r3 +lag=lag1 r3=fsdp``: SAT-GSPO with routing replay under verl's FSDP engine, then the same
+   command with one more step, which resumes from verl's checkpoint;
+2. ``+recipe=grpo +lag=lag8``: the paper's lag (``parameter_sync_step`` 8) in verl's trainer.
+
+Each run is ``python -m verl_sat.main ... trainer.device=cpu +cpu=e2e`` in its own process; its output goes to
+``WORKDIR/e2e/NAME/log*.txt`` and verl's metrics (verl's ``file`` logger) to ``metrics*.jsonl``. The command checks
+what the run must show in verl's own metrics and prints it.
+"""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+from tqdm import tqdm
+
+SAT_METRICS = ("actor/sat_gate_rate", "actor/sat_q", "actor/sat_intercepted_frac", "actor/sat_abs_log_ratio_mean")
+R3_METRICS = ("actor/r3_route_flip_frac", "actor/r3_layers_replayed")
+STALENESS_METRICS = ("training/off_policy/trajectory_staleness/mean", "training/off_policy/trajectory_staleness/max")
+REWARD_METRICS = ("critic/score/mean",)
+SHOWN = (*SAT_METRICS, *R3_METRICS, *STALENESS_METRICS, *REWARD_METRICS, "actor/ppo_kl", "timing_s/step")
+RESUMED = "Resuming from"  # what verl's trainer logs when it loads a checkpoint
+
+
+@dataclass(frozen=True)
+class E2ERun:
+    """One verl run: its recipe arguments, trainer steps, whether a second invocation resumes it for one more step,
+    and the metrics it must log."""
+
+    name: str
+    recipe_args: tuple[str, ...]
+    steps: int
+    resume: bool
+    required: tuple[str, ...]
+
+
+RUNS = (
+    E2ERun("sat_gspo_r3-lag1", ("+recipe=sat_gspo_r3", "+lag=lag1", "r3=fsdp"), 2, True,
+           (*SAT_METRICS, *R3_METRICS, *STALENESS_METRICS, *REWARD_METRICS)),
+    E2ERun("grpo-lag8", ("+recipe=grpo", "+lag=lag8"), 2, False, (*STALENESS_METRICS, *REWARD_METRICS)),
+)  # fmt: skip
+
+
+class E2EFailed(RuntimeError):
+    """A run failed or did not show what it must; the message names the log to read."""
+
+
+def command(workdir: Path, run: E2ERun, steps: int, metrics_path: Path, checkpoints: Path) -> list[str]:
+    """The ``python -m verl_sat.main`` command line of one invocation."""
+    return [
+        sys.executable, "-m", "verl_sat.main", *run.recipe_args, "trainer.device=cpu", "+cpu=e2e",
+        f"actor_rollout_ref.model.path={workdir / 'model'}",
+        f"data.train_files={workdir / 'data' / 'train.parquet'}", f"data.val_files={workdir / 'data' / 'test.parquet'}",
+        f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={checkpoints}",
+        "trainer.project_name=verl_sat_e2e", f"trainer.experiment_name={run.name}",
+        f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={metrics_path}",
+        f"hydra.run.dir={checkpoints.parent / 'hydra'}",
+    ]  # fmt: skip
+
+
+def run_e2e(workdir: Path, runs: tuple[E2ERun, ...] = RUNS, out: Path | None = None) -> dict[str, dict]:
+    """Run ``runs`` and check them; return, per run, its metrics per step, the wall time and the peak memory."""
+    out = workdir / "e2e" if out is None else out
+    results = {}
+    for run in runs:
+        folder = out / run.name
+        folder.mkdir(parents=True, exist_ok=True)
+        checkpoints = folder / "checkpoints"
+        phases = [("", run.steps)] + ([("_resume", run.steps + 1)] if run.resume else [])
+        steps, seconds, peak = {}, 0.0, 0
+        for suffix, total in phases:
+            metrics_path, log_path = folder / f"metrics{suffix}.jsonl", folder / f"log{suffix}.txt"
+            metrics_path.unlink(missing_ok=True)
+            started = time.monotonic()
+            phase_peak = _run(command(workdir, run, total, metrics_path, checkpoints), log_path, metrics_path,
+                              total, f"{run.name}{suffix}")  # fmt: skip
+            seconds, peak = seconds + time.monotonic() - started, max(peak, phase_peak)
+            logged = read_metrics(metrics_path)
+            if suffix == "_resume":
+                _check_resumed(log_path, logged, run.steps)
+            steps.update(logged)
+        missing = [key for key in run.required if not any(key in metrics for metrics in steps.values())]
+        if missing:
+            raise E2EFailed(f"{run.name}: verl's metrics lack {missing} (see {folder / 'metrics.jsonl'})")
+        results[run.name] = {"steps": steps, "seconds": seconds, "peak_pss_bytes": peak, "folder": str(folder)}
+    return results
+
+
+def _run(cmd: list[str], log_path: Path, metrics_path: Path, total: int, label: str) -> int:
+    """Run ``cmd`` with its output in ``log_path``, a progress bar over the trainer steps verl has logged, and the
+    peak memory of the whole process tree (Ray's processes included); fail naming the log."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        peak = _PeakMemory(proc.pid)
+        with tqdm(total=total, desc=label, unit="step") as bar:
+            while proc.poll() is None:
+                time.sleep(2)
+                done = min(total, len(read_metrics(metrics_path)))
+                if done != bar.n:
+                    bar.update(done - bar.n)
+        peak.stop()
+    if proc.returncode != 0:
+        tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-15:])
+        raise E2EFailed(f"{label} exited with {proc.returncode}; the log is {log_path}. Its end:\n{tail}")
+    return peak.value
+
+
+class _PeakMemory:
+    """Samples the summed proportional set size (PSS: shared pages split among the processes that share them) of a
+    process and its descendants every second, in a thread."""
+
+    def __init__(self, pid: int) -> None:
+        self.value, self._done = 0, threading.Event()
+        self._root = psutil.Process(pid)
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._done.wait(1.0):
+            try:
+                processes = [self._root, *self._root.children(recursive=True)]
+                self.value = max(self.value, sum(_pss(p) for p in processes))
+            except psutil.NoSuchProcess:
+                return
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def _pss(process: psutil.Process) -> int:
+    try:
+        return process.memory_full_info().pss
+    except psutil.Error:
+        return 0
+
+
+def read_metrics(path: Path) -> dict[int, dict]:
+    """verl's ``file`` logger lines (``{"step": N, "data": {...}}``) as step -> metrics; nothing if absent."""
+    if not path.exists():
+        return {}
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {line["step"]: line["data"] for line in lines}
+
+
+def _check_resumed(log_path: Path, logged: dict[int, dict], saved_step: int) -> None:
+    text = log_path.read_text(errors="replace")
+    if RESUMED not in text or f"global_step_{saved_step}" not in text:
+        raise E2EFailed(f"the second invocation did not resume from global_step_{saved_step} (see {log_path})")
+    if sorted(logged) != [saved_step + 1]:
+        raise E2EFailed(f"the resumed run logged steps {sorted(logged)}, expected only {saved_step + 1}")
+
+
+def format_results(results: dict[str, dict]) -> str:
+    """One block per run: the shown metrics per step, wall time and peak memory."""
+    lines = []
+    for name, result in results.items():
+        steps = result["steps"]
+        lines.append(f"{name}: {len(steps)} trainer steps in {result['seconds']:.0f} s, peak memory "
+                     f"{result['peak_pss_bytes'] / 2**30:.2f} GiB (all processes), {result['folder']}")  # fmt: skip
+        lines.append("  " + f"{'metric':<48}" + "".join(f"step {step:<6}" for step in sorted(steps)))
+        for key in SHOWN:
+            if any(key in metrics for metrics in steps.values()):
+                values = "".join(f"{_number(steps[step].get(key)):<11}" for step in sorted(steps))
+                lines.append(f"  {key:<48}{values}")
+    return "\n".join(lines)
+
+
+def _number(value) -> str:
+    return "-" if value is None else f"{value:.4g}"

@@ -1,0 +1,105 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""The few spots where verl 0.9.1 cannot run on a CPU as it is, patched as narrowly as possible and only in a CPU
+run's processes (``verl_sat.cpu.activate``). Each one is pinned by a test on the verl code it works around
+(``tests/test_cpu_patches_on_cpu.py``), which fails when verl changes that code.
+
+1. ``verl.utils.distributed`` builds the process-group backend ``f"cpu:gloo,{device}:{backend}"``; with device
+   ``cpu`` and backend ``gloo`` that is ``cpu:gloo,cpu:gloo``, which torch refuses (a device type twice).
+   ``torch.distributed.init_process_group`` gets the string with the repeated device entry dropped.
+2. verl's FSDP2 engine wraps a forward-only model (the reference policy) in ``CPUOffloadPolicy(pin_memory=True)``;
+   pinning host memory needs an accelerator. The engine module's ``CPUOffloadPolicy`` builds the policy without
+   pinning (on a CPU the "offload" keeps the parameters where they already are).
+3. verl's separate-async trainer logs ``logger.info(..., flush=True)`` when ``actor_rollout_ref.hybrid_engine=False``
+   (rollout only on its own workers, as a CPU run needs), and Python's ``logging`` refuses the keyword. The module's
+   logger drops it.
+4. Outside bypass mode with ``parameter_sync_step > 1`` the trainer snapshots the policy with
+   ``fsdp2_sharded_save_to_cpu`` (``param.detach().cpu()``), which on a CPU returns the parameter itself: the
+   "snapshot" would follow every optimizer step. The snapshot is cloned.
+"""
+
+import functools
+import logging
+
+import torch.distributed
+from torch.distributed.fsdp import CPUOffloadPolicy
+
+_PATCHED = "_verl_sat_cpu_patched"
+
+
+def dedupe_backend(backend: str | None) -> str | None:
+    """``"cpu:gloo,cpu:gloo"`` -> ``"cpu:gloo"``: a ``device:backend`` list with each device type once (the first);
+    anything else unchanged."""
+    if not isinstance(backend, str) or ":" not in backend:
+        return backend
+    entries, seen = [], set()
+    for entry in backend.split(","):
+        device = entry.split(":", 1)[0].strip()
+        if device not in seen:
+            seen.add(device)
+            entries.append(entry)
+    return ",".join(entries)
+
+
+def unpinned_offload_policy(*args, pin_memory: bool = True, **kwargs) -> CPUOffloadPolicy:
+    """``CPUOffloadPolicy`` that never pins (the ``pin_memory`` asked for is ignored)."""
+    return CPUOffloadPolicy(*args, pin_memory=False, **kwargs)
+
+
+class FlushTolerantLogger(logging.LoggerAdapter):
+    """A logger that accepts (and drops) ``print``'s ``flush`` keyword."""
+
+    def process(self, msg, kwargs):
+        kwargs.pop("flush", None)
+        return msg, kwargs
+
+
+def copying_sharded_save(save):
+    """``fsdp2_sharded_save_to_cpu`` whose saved shards are copies, never the parameters' own storage."""
+
+    @functools.wraps(save)
+    def sharded_save_to_cpu(model):
+        state, spec = save(model)
+        return {name: (tensor.clone(), tensor_spec) for name, (tensor, tensor_spec) in state.items()}, spec
+
+    setattr(sharded_save_to_cpu, _PATCHED, True)
+    return sharded_save_to_cpu
+
+
+def apply() -> None:
+    """Apply the patches (idempotent)."""
+    from verl.trainer.ppo.v1 import trainer_separate_async
+    from verl.utils import fsdp_utils
+    from verl.workers.engine.fsdp import transformer_impl
+
+    if not getattr(fsdp_utils.fsdp2_sharded_save_to_cpu, _PATCHED, False):
+        fsdp_utils.fsdp2_sharded_save_to_cpu = copying_sharded_save(fsdp_utils.fsdp2_sharded_save_to_cpu)
+
+    transformer_impl.CPUOffloadPolicy = unpinned_offload_policy
+    if not isinstance(trainer_separate_async.logger, FlushTolerantLogger):
+        trainer_separate_async.logger = FlushTolerantLogger(trainer_separate_async.logger, {})
+    init = torch.distributed.init_process_group
+    if getattr(init, _PATCHED, False):
+        return
+
+    @functools.wraps(init)
+    def init_process_group(*args, **kwargs):
+        if "backend" in kwargs:
+            kwargs["backend"] = dedupe_backend(kwargs["backend"])
+        elif args:
+            args = (dedupe_backend(args[0]), *args[1:])
+        return init(*args, **kwargs)
+
+    setattr(init_process_group, _PATCHED, True)
+    torch.distributed.init_process_group = init_process_group
