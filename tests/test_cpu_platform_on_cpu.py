@@ -22,7 +22,7 @@ import sys
 import pytest
 
 from verl_sat.main import compose_from_args, with_recipes_searchpath
-from verl_sat.preflight import PreflightError, check_config
+from verl_sat.preflight import PreflightError, check_config, check_trainer_device
 
 
 def _python(code: str, env_extra: dict | None = None, sitecustomize: str | None = None, tmp_path=None):
@@ -109,11 +109,14 @@ def _cpu_config(*overrides: str):
     ],
 )  # fmt: skip
 def test_preflight_refuses_a_cpu_job_it_cannot_run(overrides, message):
+    config = _cpu_config(*overrides)
+    check_config(config)  # what verl-sat checks for any job (also the embedded engine's)
     with pytest.raises(PreflightError, match=message.replace(".", r"\.")):
-        check_config(_cpu_config(*overrides))
+        check_trainer_device(config)  # what verl's trainer needs on a CPU
 
 
 def test_the_cpu_sizes_pass_the_preflight():
     config = _cpu_config("trainer.device=cpu", "+cpu=e2e")
     check_config(config)
+    check_trainer_device(config)
     assert config.actor_rollout_ref.rollout.name == "hf_cpu" and config.ray_kwargs.ray_init.num_gpus == 2

@@ -37,7 +37,6 @@ def check_config(config: DictConfig) -> list[str]:
     policy_loss = _check_policy_loss_config(actor.policy_loss)
     _check_trainer(config, loss_mode)
     _check_routing_replay(config)
-    _check_device(config)
     return micro_batch_warnings(actor, policy_loss)
 
 
@@ -102,9 +101,10 @@ def _check_trainer(config: DictConfig, loss_mode: str) -> None:
         )
 
 
-def _check_device(config: DictConfig) -> None:
-    """A ``trainer.device=cpu`` job runs verl's trainer on verl-sat's CPU pieces (``verl_sat.cpu``); verl's GPU
-    rollouts and weight transports cannot run there, and verl-sat's CPU rollout serves nothing else."""
+def check_trainer_device(config: DictConfig) -> None:
+    """For verl's own trainer (``python -m verl_sat.main``; the embedded engine has its own rollout): a
+    ``trainer.device=cpu`` job runs on verl-sat's CPU pieces (``verl_sat.cpu``), where verl's GPU rollouts and weight
+    transports cannot run, and verl-sat's CPU rollout serves nothing else."""
     from verl_sat.cpu import CHECKPOINT_BACKEND, ROLLOUT_NAME
 
     rollout = config.actor_rollout_ref.rollout
