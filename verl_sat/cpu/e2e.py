@@ -86,14 +86,14 @@ def run_e2e(workdir: Path, runs: tuple[E2ERun, ...] = RUNS, out: Path | None = N
         folder = out / run.name
         folder.mkdir(parents=True, exist_ok=True)
         checkpoints = folder / "checkpoints"
-        phases = [("", run.steps)] + ([("_resume", run.steps + 1)] if run.resume else [])
+        phases = [("", 0, run.steps)] + ([("_resume", run.steps, run.steps + 1)] if run.resume else [])
         steps, seconds, peak = {}, 0.0, 0
-        for suffix, total in phases:
+        for suffix, done, total in phases:
             metrics_path, log_path = folder / f"metrics{suffix}.jsonl", folder / f"log{suffix}.txt"
             metrics_path.unlink(missing_ok=True)
             started = time.monotonic()
             phase_peak = _run(command(workdir, run, total, metrics_path, checkpoints), log_path, metrics_path,
-                              total, f"{run.name}{suffix}")  # fmt: skip
+                              total - done, f"{run.name}{suffix}")  # fmt: skip
             seconds, peak = seconds + time.monotonic() - started, max(peak, phase_peak)
             logged = read_metrics(metrics_path)
             if suffix == "_resume":
@@ -107,7 +107,8 @@ def run_e2e(workdir: Path, runs: tuple[E2ERun, ...] = RUNS, out: Path | None = N
 
 
 def _run(cmd: list[str], log_path: Path, metrics_path: Path, total: int, label: str) -> int:
-    """Run ``cmd`` with its output in ``log_path``, a progress bar over the trainer steps verl has logged, and the
+    """Run ``cmd`` with its output in ``log_path``, a progress bar over the ``total`` trainer steps this invocation
+    runs (as verl logs them), and the
     peak memory of the whole process tree (Ray's processes included); fail naming the log."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
