@@ -159,9 +159,6 @@ class HFCPUServer:
             load_weights(self.model, named_tensors.items())
             self.global_steps = global_steps
 
-    async def set_global_steps(self, global_steps: int) -> None:
-        self.global_steps = global_steps
-
     # the rest of a server's interface: nothing to do on a CPU
     async def wake_up(self, *args: Any, **kwargs: Any) -> None:
         return None
