@@ -95,6 +95,20 @@ def module_imports(module: ModuleType) -> list[str]:
     return [_segment(source, n) for n in ast.parse(source).body if isinstance(n, ast.Import | ast.ImportFrom)]
 
 
+def top_level_names(source: str) -> set[str]:
+    """The names a module's source binds at top level: functions, classes, imports and plain assignments."""
+    names = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
+
+
 def _segment(source: str, node: ast.AST, dedent: bool = False) -> str:
     lines = source.splitlines()
     first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])

@@ -39,6 +39,7 @@ from verl_sat.upstream.edit import (
     methods_source,
     replace_once,
     standalone_source,
+    top_level_names,
 )
 
 ROUTER_REPLAY = "verl/models/transformers/router_replay.py"
@@ -152,7 +153,7 @@ def _fsdp_engine(text: str) -> str:
         else:  # the first line of the method the anchor opens
             head, rest = anchor.split("\n", 1)
             text = replace_once(text, anchor, f"{head}\n        {call}\n{rest}", FSDP_ENGINE)
-    unbound = _free_names(routes_fn + "\n" + "\n".join(line[4:] for line in hooks.splitlines())) - _bound(text)
+    unbound = _free_names(routes_fn + "\n" + "\n".join(line[4:] for line in hooks.splitlines())) - top_level_names(text)
     if unbound:
         raise UpstreamDriftError(f"the copied routing-replay code uses {sorted(unbound)}, which {FSDP_ENGINE} lacks")
     return text
@@ -173,13 +174,3 @@ def _free_names(code: str) -> set[str]:
     stored = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     args = {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments) for a in [*n.args, *n.kwonlyargs]}
     return loaded - stored - args - set(dir(builtins))
-
-
-def _bound(module_text: str) -> set[str]:
-    names = set()
-    for node in ast.parse(module_text).body:
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
-            names.add(node.name)
-    return names

@@ -40,6 +40,7 @@ from verl_sat.upstream.edit import (
     module_imports,
     replace_once,
     standalone_source,
+    top_level_names,
 )
 
 SAT_MATH = "verl/trainer/ppo/sat_math.py"
@@ -117,7 +118,7 @@ def sat_changes(read) -> dict[str, str]:
 
 
 def _core_algos(text: str) -> str:
-    bound = _top_level_names(text)
+    bound = top_level_names(text)
     mapped: dict[str, list[str]] = {}
     for statement in module_imports(verl_sat.losses):
         node = ast.parse(statement).body[0]
@@ -131,7 +132,7 @@ def _core_algos(text: str) -> str:
                 "does not have: add the import mapping to verl_sat/upstream/sat_patch.py"
             )
     losses = definitions_source(verl_sat.losses)
-    clash = bound & _top_level_names(losses)
+    clash = bound & top_level_names(losses)
     if clash:
         raise UpstreamDriftError(f"verl's core_algos.py already defines {sorted(clash)}, as verl_sat/losses.py does")
     text = insert_after(
@@ -214,16 +215,3 @@ def _yaml_scalar(value) -> str:
 
 def _import_line(module: str, names: list[str]) -> str:
     return f"from {module} import {', '.join(sorted(set(names)))}\n"
-
-
-def _top_level_names(source: str) -> set[str]:
-    names = set()
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.FunctionDef | ast.ClassDef):
-            names.add(node.name)
-        elif isinstance(node, ast.Import | ast.ImportFrom):
-            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.Assign | ast.AnnAssign):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names.update(t.id for t in targets if isinstance(t, ast.Name))
-    return names
