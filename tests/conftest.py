@@ -46,6 +46,8 @@ LOSS_CASES = [
     ("sat_gspo", "token", "gspo"),
 ]
 QUANTILE_METHODS = ["inverted_cdf", "linear"]
+# every loss_agg_mode verl 0.9.1's ActorConfig accepts (its valid_loss_agg_modes)
+AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 def sat_overrides(loss: str, granularity: str, *extra: str) -> list[str]:

@@ -86,9 +86,8 @@ def test_recipe_builds_verl_dataclasses_with_the_papers_settings(recipe, lag):
     if tis:
         assert algorithm.rollout_correction["rollout_is"] == "token"
         assert algorithm.rollout_correction["rollout_is_threshold"] == 2.0
-    assert isinstance(actor.policy_loss, SatPolicyLossConfig) == family.startswith("sat_")
-    if family.startswith("sat_"):
-        assert actor.policy_loss.sat == SatConfig()  # the paper's rule: the defaults
+    assert isinstance(actor.policy_loss, SatPolicyLossConfig)  # every row: it logs the paper's mismatch (Eq. 52)
+    assert actor.policy_loss.sat == SatConfig()  # the paper's rule: the defaults
     r3 = recipe.endswith("_r3")
     assert rollout.enable_rollout_routing_replay is r3
     if r3:

@@ -242,7 +242,9 @@ def test_detach_restores_native_routing():
     routes = torch.ones(3, 9, model.config.num_hidden_layers, TOP_K, dtype=torch.int16)
     routes[..., 1] = 2
     rr.detach()
-    with torch.no_grad(), rr.replay(routes):  # nothing is hooked any more
+    # nothing is hooked any more: the forward routes natively, and a replay around it says so
+    with pytest.raises(RoutingReplayError, match="in layer 1 the MoE block model.layers.1.mlp \\(DeepseekV3MoE\\) "
+                       "did not call its route_tokens_to_experts"), torch.no_grad(), rr.replay(routes):  # fmt: skip
         assert torch.equal(model(input_ids=ids()).logits, reference)
     assert "route_tokens_to_experts" not in vars(model.model.layers[1].mlp)
 
@@ -253,7 +255,10 @@ def test_detach_restores_native_routing():
         (lambda r: r[:, :, :2], "expected \\[..., num_hidden_layers=3, top_k=2\\]"),
         (lambda r: torch.cat([r, r[..., :1]], -1), "expected \\[..., num_hidden_layers=3, top_k=2\\]"),
         (lambda r: r[:, :5], "routes cover 15 tokens but layer 0 routes 27"),
-        (lambda r: r.masked_fill(r == r.max(), EXPERTS), "hold expert ids in \\[0, 8\\]; the model has 8 experts"),
+        (
+            lambda r: r.masked_fill(r == r.max(), EXPERTS),
+            "outside \\[0, num_experts\\) of its MoE layer \\(experts per layer: \\{0: 8, 2: 8\\}\\)",
+        ),
     ],
     ids=["layers", "top_k", "tokens", "expert_id"],
 )

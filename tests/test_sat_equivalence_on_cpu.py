@@ -19,13 +19,12 @@ from fractions import Fraction
 
 import pytest
 import torch
-from conftest import LOSS_CASES, QUANTILE_METHODS, actor_config, make_stale_batch, sat_overrides
+from conftest import AGG_MODES, LOSS_CASES, QUANTILE_METHODS, actor_config, make_stale_batch, sat_overrides
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from verl_sat.config import SatConfig
 from verl_sat.sat_math import sat_gspo_surrogate, sat_token_surrogate, tail_quantile
 
-AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 CASES = [(*case, method) for case in LOSS_CASES for method in QUANTILE_METHODS]
 CASE_IDS = [f"{loss}-{gran}-{method}" for loss, gran, _, method in CASES]
 

@@ -20,7 +20,16 @@ from fractions import Fraction
 
 import pytest
 import torch
-from conftest import LOSS_CASES, QUANTILE_METHODS, gate_config, make_stale_batch, nominal_gspo_loss, nominal_token_loss
+from conftest import (
+    AGG_MODES,
+    LOSS_CASES,
+    QUANTILE_METHODS,
+    actor_config,
+    gate_config,
+    make_stale_batch,
+    nominal_gspo_loss,
+    nominal_token_loss,
+)
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from verl_sat.sat_math import sat_gspo_surrogate, sat_token_surrogate
@@ -31,15 +40,15 @@ CASES = [(*case, method) for case in LOSS_CASES for method in QUANTILE_METHODS]
 CASE_IDS = [f"{loss}-{gran}-{method}" for loss, gran, _, method in CASES]
 
 
-def _surrogate(loss, granularity, method, batch, log_prob, quantile=QUANTILE):
+def _surrogate(loss, granularity, method, batch, log_prob, quantile=QUANTILE, **replaced):
+    """The surrogate on ``batch`` with ``log_prob``; ``replaced`` swaps ``old_log_prob``, ``advantages`` or
+    ``response_mask``."""
     gate = gate_config(loss, granularity, quantile=quantile, quantile_method=method)
+    tensors = {"old_log_prob": batch.old_log_prob, "advantages": batch.advantages, "response_mask": batch.response_mask}
+    old, adv, mask = ({**tensors, **replaced}[key] for key in tensors)
     if loss == "sat":
-        return sat_token_surrogate(
-            log_prob, batch.old_log_prob, batch.advantages, batch.response_mask, EPS_LO, EPS_HI, 3.0, gate
-        )
-    return sat_gspo_surrogate(
-        log_prob, batch.old_log_prob, batch.advantages, batch.response_mask, EPS_LO, EPS_HI, gate, granularity
-    )
+        return sat_token_surrogate(log_prob, old, adv, mask, EPS_LO, EPS_HI, 3.0, gate)
+    return sat_gspo_surrogate(log_prob, old, adv, mask, EPS_LO, EPS_HI, gate, granularity)
 
 
 def _nominal(loss, batch, log_prob):
@@ -98,8 +107,9 @@ def test_pointwise_pessimism(loss, granularity, _, method, seed):
     batch = make_stale_batch(seed)
     out = _surrogate(loss, granularity, method, batch, batch.log_prob)
     nominal = _nominal(loss, batch, batch.log_prob)
-    assert torch.all(out.loss_mat >= nominal)
-    assert torch.any(out.loss_mat > nominal)
+    active = out.mask
+    assert torch.all(out.loss_mat[active] >= nominal[active])
+    assert torch.any(out.loss_mat[active] > nominal[active])
 
 
 @pytest.mark.parametrize("loss,granularity,_,method", CASES, ids=CASE_IDS)
@@ -107,8 +117,8 @@ def test_baseline_preserved_on_ungated_tokens(loss, granularity, _, method):
     """3: on ungated tokens the loss and its gradient equal the nominal rule's, bit for bit."""
     batch = make_stale_batch(3)
     out, nominal, grad_sat, grad_nom = _per_token(loss, granularity, method, batch)
-    ungated = ~_tokens(out, out.region.gated)
-    assert ungated.sum() > 0 and (~ungated).sum() > 0
+    ungated = ~_tokens(out, out.region.gated) & out.mask
+    assert ungated.sum() > 0 and (out.mask & ~ungated).sum() > 0
     assert torch.equal(out.loss_mat[ungated], nominal[ungated])
     assert torch.equal(grad_sat[ungated], grad_nom[ungated])
 
@@ -165,12 +175,15 @@ def test_newly_intercepted_band(loss, granularity, _, method):
 
 
 @pytest.mark.parametrize("loss,granularity,_,method", CASES, ids=CASE_IDS)
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("agg", AGG_MODES)
 def test_no_active_tokens(loss, granularity, _, method, agg, sat_actor_config):
-    """6: an all-masked micro-batch gives a finite zero loss connected to the graph, and finite metrics."""
+    """6: an all-masked micro-batch gives a finite zero loss connected to the graph, and finite metrics, under every
+    aggregation, also with NaN log-probs in the padding."""
     batch = make_stale_batch(7)
     object.__setattr__(sat_actor_config.policy_loss, "sat", gate_config(loss, granularity, quantile_method=method))
-    lp = batch.fresh_log_prob()
+    lp = batch.log_prob.clone()
+    lp[:, ::3] = float("nan")
+    lp.requires_grad_()
     empty = torch.zeros_like(batch.response_mask)
     pg_loss, metrics = get_policy_loss_fn(loss)(batch.old_log_prob, lp, batch.advantages, empty, agg, sat_actor_config)
     assert pg_loss.item() == 0.0 and pg_loss.requires_grad
@@ -181,36 +194,69 @@ def test_no_active_tokens(loss, granularity, _, method, agg, sat_actor_config):
     assert metrics["actor/sat_units"] == 0.0 and metrics["actor/sat_q"] == 0.0
 
 
+def _with_nan(batch, tensor: str, nan_at: torch.Tensor) -> dict[str, torch.Tensor]:
+    inputs = {"log_prob": batch.log_prob.clone(), "old_log_prob": batch.old_log_prob, "advantages": batch.advantages}
+    inputs[tensor] = inputs[tensor].clone().masked_fill(nan_at, float("nan"))
+    return inputs
+
+
+def _nan_positions(batch) -> torch.Tensor:
+    """The first token of every non-empty sequence, one more token, and every other padding position."""
+    nan_at = batch.response_mask.clone()
+    nan_at[:, 1:] = False
+    nan_at[1, 3] = bool(batch.response_mask[1, 3])
+    padding = ~batch.response_mask
+    padding[:, 1::2] = False
+    return nan_at | padding
+
+
 @pytest.mark.parametrize("loss,granularity,_,method", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("tensor", ["log_prob", "old_log_prob", "advantages"])
-def test_nan_tokens_become_inactive(loss, granularity, _, method, tensor, sat_actor_config):
-    """7: NaN in an active token's inputs drops the token from the quantile and agg_loss; nothing else changes."""
+def test_nan_tokens_are_exact_zeros_of_the_loss_matrix(loss, granularity, _, method, tensor):
+    """7: NaN in an active token's inputs or in the padding leaves ``loss_mat`` exactly 0 there (NaN x 0 would be NaN
+    in verl's seq-mean aggregations), and the other tokens' losses as without the NaN."""
+    batch = make_stale_batch(8)
+    nan_at = _nan_positions(batch)
+    inputs = _with_nan(batch, tensor, nan_at)
+    out = _surrogate(loss, granularity, method, batch, inputs["log_prob"], old_log_prob=inputs["old_log_prob"],
+                     advantages=inputs["advantages"])  # fmt: skip
+    reference = _surrogate(loss, granularity, method, batch, batch.log_prob, response_mask=out.mask)
+    assert torch.equal(out.mask, batch.response_mask & ~nan_at)
+    assert torch.all(out.loss_mat[~out.mask] == 0) and torch.all(torch.isfinite(out.loss_mat))
+    assert torch.equal(out.loss_mat, reference.loss_mat)
+
+
+@pytest.mark.parametrize("loss,granularity,_,method", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("tensor", ["log_prob", "old_log_prob", "advantages"])
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_nan_tokens_become_inactive(loss, granularity, _, method, tensor, agg, sat_actor_config):
+    """7: NaN in an active token's inputs drops the token from the quantile and agg_loss, under every aggregation;
+    NaN in the padding changes nothing; nothing else changes."""
     batch = make_stale_batch(8)
     object.__setattr__(sat_actor_config.policy_loss, "sat", gate_config(loss, granularity, quantile_method=method))
     fn = get_policy_loss_fn(loss)
-    nan_at = batch.response_mask.clone()
-    nan_at[:, 1:] = False  # first token of every non-empty sequence
-    nan_at[1, 3] = bool(batch.response_mask[1, 3])
-    inputs = {"log_prob": batch.log_prob.clone(), "old_log_prob": batch.old_log_prob, "advantages": batch.advantages}
-    inputs[tensor] = inputs[tensor].clone().masked_fill(nan_at, float("nan"))
+    nan_at = _nan_positions(batch)
+    inputs = _with_nan(batch, tensor, nan_at)
 
     lp_nan = inputs["log_prob"].clone().requires_grad_()
     loss_nan, metrics_nan = fn(
-        inputs["old_log_prob"], lp_nan, inputs["advantages"], batch.response_mask, "token-mean", sat_actor_config
+        inputs["old_log_prob"], lp_nan, inputs["advantages"], batch.response_mask, agg, sat_actor_config
     )
     lp_ref = batch.fresh_log_prob()
     loss_ref, metrics_ref = fn(
-        batch.old_log_prob, lp_ref, batch.advantages, batch.response_mask & ~nan_at, "token-mean", sat_actor_config
+        batch.old_log_prob, lp_ref, batch.advantages, batch.response_mask & ~nan_at, agg, sat_actor_config
     )
     loss_nan.backward()
     loss_ref.backward()
     assert torch.isfinite(loss_nan) and torch.equal(loss_nan, loss_ref)
     assert torch.all(torch.isfinite(lp_nan.grad)) and torch.all(lp_nan.grad[nan_at] == 0)
     assert torch.equal(lp_nan.grad[~nan_at], lp_ref.grad[~nan_at])
-    expected_frac = nan_at.sum().item() / batch.response_mask.sum().item()
+    dropped = nan_at & batch.response_mask
+    expected_frac = dropped.sum().item() / batch.response_mask.sum().item()
     assert metrics_nan["actor/sat_nan_frac"] == pytest.approx(expected_frac)
     assert metrics_ref["actor/sat_nan_frac"] == 0.0
-    for key in ["actor/sat_q", "actor/sat_gate_rate", "actor/sat_units", "actor/pg_clipfrac", "actor/ppo_kl"]:
+    for key in ["actor/sat_q", "actor/sat_gate_rate", "actor/sat_units", "actor/pg_clipfrac", "actor/ppo_kl",
+                "actor/mismatch_abs_log_ratio"]:  # fmt: skip
         assert metrics_nan[key] == metrics_ref[key], key
 
 
@@ -231,6 +277,34 @@ def test_inf_log_probs_go_through_the_clamp(sat_actor_config):
     assert torch.isfinite(sat_loss) and torch.all(torch.isfinite(sat_grad))
     assert metrics["actor/sat_nan_frac"] == 0.0 and metrics["actor/sat_gate_rate"] > 0
     assert sat_grad[2, 0] == ref_grad[2, 0] == 0.0  # clamped: no gradient, as in verl
+
+
+@pytest.mark.parametrize("granularity", ["sequence", "sequence_uniform", "token"])
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_gspo_with_an_old_log_prob_of_minus_inf_stays_finite_and_equals_verls(granularity, agg):
+    """7: an ``old_log_prob`` of -inf (``s_i`` = +inf) gives verl's ``gspo`` loss and gradient when nothing is gated
+    (``sat.floor`` above every proxy), under every aggregation; an ``lp`` of +-inf, where verl's ``gspo`` is NaN, and
+    a gated run stay finite too."""
+    batch = make_stale_batch(9)
+    old = batch.old_log_prob.clone()
+    old[2, 0] = float("-inf")
+    results = []
+    for name, floor in (("sat_gspo", 100.0), ("gspo", 100.0), ("sat_gspo", 0.0)):
+        sat_keys = [f"+actor_rollout_ref.actor.policy_loss.sat.{key}" for key in (f"granularity={granularity}",
+                                                                                  f"floor={floor}")]  # fmt: skip
+        config = actor_config(*sat_keys, loss_mode="sat_gspo")
+        lp = batch.fresh_log_prob()
+        pg_loss, _ = get_policy_loss_fn(name)(old, lp, batch.advantages, batch.response_mask, agg, config)
+        pg_loss.backward()
+        assert torch.isfinite(pg_loss) and torch.all(torch.isfinite(lp.grad)), name
+        results.append((pg_loss, lp.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    log_prob = batch.log_prob.clone()
+    log_prob[2, 0], log_prob[3, 1] = float("inf"), float("-inf")
+    out = sat_gspo_surrogate(log_prob.requires_grad_(), batch.old_log_prob, batch.advantages, batch.response_mask,
+                             EPS_LO, EPS_HI, gate_config("sat_gspo", granularity), granularity)  # fmt: skip
+    out.loss_mat.sum().backward()
+    assert torch.all(torch.isfinite(out.loss_mat)) and torch.all(torch.isfinite(log_prob.grad))
 
 
 def _gate_bound(method: str, alpha: float, units: int) -> float:
@@ -263,8 +337,9 @@ def test_gate_rate_bound(loss, granularity, _, method, alpha, kind, sat_actor_co
         assert gated_units <= (1 - alpha) * units + 1e-9
     object.__setattr__(sat_actor_config.policy_loss, "sat", gate_config(loss, granularity, quantile=alpha,
                                                                         quantile_method=method))  # fmt: skip
-    _, metrics = get_policy_loss_fn(loss)(
-        batch.old_log_prob, batch.log_prob, batch.advantages, batch.response_mask, "token-mean", sat_actor_config
-    )
-    assert metrics["actor/sat_gate_rate"] == pytest.approx(gated_units / units)
-    assert metrics["actor/sat_units"] == units
+    for agg in AGG_MODES:
+        _, metrics = get_policy_loss_fn(loss)(
+            batch.old_log_prob, batch.log_prob, batch.advantages, batch.response_mask, agg, sat_actor_config
+        )
+        assert metrics["actor/sat_gate_rate"] == pytest.approx(gated_units / units)
+        assert metrics["actor/sat_units"] == units

@@ -20,6 +20,8 @@ from conftest import LOSS_CASES, actor_config, make_stale_batch, sat_overrides
 from tensordict import TensorDict
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.utils import tensordict_utils as tu
+from verl.utils.metric.utils import AggregationType
+from verl.workers import engine_workers
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import left_right_2_no_padding
 
@@ -28,8 +30,9 @@ RESPONSE_LENS = [7, 4, 1, 6, 7, 3]
 MAX_PROMPT, MAX_RESPONSE = 5, 7
 
 
-def _engine_batch(old_log_probs, advantages):
-    """Left-padded prompts, right-padded responses, then verl's no-padding conversion."""
+def _engine_batch(old_log_probs, advantages, **fields):
+    """Left-padded prompts, right-padded responses (and ``fields``, response-shaped), then verl's no-padding
+    conversion."""
     bs = len(PROMPT_LENS)
     arange_p, arange_r = torch.arange(MAX_PROMPT), torch.arange(MAX_RESPONSE)
     prompt_mask = arange_p.unsqueeze(0) >= (MAX_PROMPT - torch.tensor(PROMPT_LENS)).unsqueeze(1)
@@ -48,6 +51,7 @@ def _engine_batch(old_log_probs, advantages):
             "response_mask": response_mask.long(),
             "old_log_probs": old_log_probs,
             "advantages": advantages,
+            **fields,
         },
         batch_size=[bs],
     )
@@ -97,3 +101,44 @@ def test_ppo_loss_worker_path(loss, granularity, _, agg):
     for key in ["sat_q", "sat_units", "sat_min_factor", "sat_eff_upper_radius", "sat_intercepted_frac", "pg_clipfrac",
                 "ppo_kl"]:  # fmt: skip
         assert f"actor/{key}" in metrics
+
+
+@pytest.mark.parametrize("loss_mode", ["vanilla", "gspo", "dppo_tv", "sat", "sat_gspo"])  # every Table 1 loss
+@pytest.mark.parametrize("mode", ["bypass", "decoupled"])
+def test_every_row_logs_the_token_mismatch_against_the_rollout(loss_mode, mode):
+    """Building verl-sat's policy-loss config wraps the ``ppo_loss`` verl's actor worker binds; the wrapper adds
+    ``actor/mismatch_abs_log_ratio``, the token-level mean |log pi - log mu| over the active tokens (Eq. 52), with mu
+    the rollout's log-prob: ``old_log_probs`` in bypass mode, ``rollout_log_probs`` in decoupled mode (TIS rows)."""
+    config = actor_config(loss_mode=loss_mode)  # builds SatPolicyLossConfig: installs the wrapper
+    assert engine_workers.ppo_loss is not ppo_loss and engine_workers.ppo_loss.__wrapped__ is ppo_loss
+    stale = make_stale_batch(22, num_prompts=3, group=2, length=MAX_RESPONSE)
+    mu = stale.old_log_prob
+    extra = {}
+    old = mu
+    if mode == "decoupled":
+        old = mu + 0.05 * torch.randn(mu.shape, generator=torch.Generator().manual_seed(1))
+        extra = {"rollout_log_probs": mu, "rollout_is_weights": torch.exp(old - mu).clamp(max=2.0)}
+    data, response_mask = _engine_batch(old, stale.advantages, **extra)
+    lp = stale.fresh_log_prob()
+    loss, metrics = engine_workers.ppo_loss(config, {"log_probs": _nested_log_probs(lp, response_mask)}, data)
+    _, plain_metrics = ppo_loss(config, {"log_probs": _nested_log_probs(lp, response_mask)}, data)
+    expected = (lp.detach() - mu).abs()[response_mask].mean().item()
+    metric = metrics["actor/mismatch_abs_log_ratio"]
+    assert metric.aggregation == AggregationType.MEAN
+    assert metric.aggregate() == pytest.approx(expected, rel=1e-6)
+    assert set(metrics) - set(plain_metrics) == {"actor/mismatch_abs_log_ratio"}  # verl's own metrics untouched
+    loss.backward()
+    assert torch.all(torch.isfinite(lp.grad))
+
+
+def test_pinned_where_verls_actor_worker_binds_ppo_loss():
+    """The wrapper works because verl's worker imports ``ppo_loss`` by name and binds it after building the actor
+    config; fails when verl 0.9.1's code changes."""
+    import inspect
+
+    source = inspect.getsource(engine_workers)
+    assert "from verl.workers.utils.losses import ppo_loss\n" in source
+    init = inspect.getsource(engine_workers.ActorRolloutRefWorker.init_model)
+    assert init.index("actor_config: ActorConfig = omega_conf_to_dataclass(self.config.actor)") < init.index(
+        "self.loss_fn = partial(ppo_loss, config=actor_config)"
+    )

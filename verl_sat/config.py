@@ -43,7 +43,9 @@ class SatConfig(BaseConfig, SatParams):
 
 @dataclass
 class SatPolicyLossConfig(PolicyLossConfig):
-    """verl's ``PolicyLossConfig`` plus the ``sat`` block read by the ``sat`` and ``sat_gspo`` losses.
+    """verl's ``PolicyLossConfig`` plus the ``sat`` block read by the ``sat`` and ``sat_gspo`` losses. Every recipe
+    sets it, whatever the loss: building it also makes this process's actor log the paper's mismatch
+    ``actor/mismatch_abs_log_ratio`` (Eq. 52) for any ``loss_mode`` (``verl_sat.mismatch.install``).
 
     Args:
         sat (SatConfig): SAT hyperparameters; a mapping (e.g. from ``hydra.utils.instantiate``) is converted.
@@ -55,6 +57,9 @@ class SatPolicyLossConfig(PolicyLossConfig):
         # BaseConfig fields are frozen after __init__; the conversion happens once, here.
         object.__setattr__(self, "sat", as_sat_config(self.sat))
         check_sat_params(self.sat, SAT_KEY_FORMAT, self.loss_mode)
+        from verl_sat.mismatch import install
+
+        install()
 
 
 def sat_params_of(policy_loss: Any, loss_mode: str | None = None) -> SatConfig:

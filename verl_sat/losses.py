@@ -88,10 +88,10 @@ def _sat_clip_radii(config: DictConfig | ActorConfig | None) -> tuple[float, flo
     return clip_low, clip_high
 
 
-def _sat_ppo_kl(log_ratio: torch.Tensor, mask: torch.Tensor, num_active: torch.Tensor) -> torch.Tensor:
-    """verl's ``ppo_kl``, ``masked_mean(-log_ratio, mask)``, bit for bit with fewer temporaries: the same masked
-    values summed in the same order (negation and the multiplication by a 1.0 mask are exact)."""
-    return -torch.where(mask, log_ratio, 0.0).sum() / (num_active + 1e-8)
+def _sat_ppo_kl(log_ratio: torch.Tensor, num_active: torch.Tensor) -> torch.Tensor:
+    """verl's ``ppo_kl``, ``masked_mean(-log_ratio, mask)``, bit for bit with fewer temporaries: ``log_ratio`` is 0 at
+    inactive tokens, so the same values are summed in the same order (negation and a 1.0 mask are exact)."""
+    return -log_ratio.sum() / (num_active + 1e-8)
 
 
 def _sat_batch_info(global_batch_info: dict, loss_agg_mode: str, out: SatSurrogate) -> dict:
@@ -133,7 +133,7 @@ def _sat_aggregate(
         stats.lower_shrink,
         stats.upper_shrink,
         stats.max_shrink,
-        _sat_ppo_kl(out.log_ratio, mask, num_active),
+        _sat_ppo_kl(out.log_ratio, num_active),
         region.num_units,
         num_active,
         out.num_nan,
@@ -142,9 +142,9 @@ def _sat_aggregate(
         torch.zeros_like(num_active) if out.dual_clipped is None else torch.count_nonzero(out.dual_clipped),
     ]
     read = torch.stack(values).tolist()  # the one host read
-    q, gate_sum, abs_sum, lower_shrink, upper_shrink, max_shrink, ppo_kl, units, active, nan, *clip_counts = read
+    q, gate_sum, abs_sum, lower_shrink, upper_shrink, max_shrink, ppo_kl, units, active, nan, *counts = read
     per_unit, per_token = 1.0 / max(units, 1.0), 1.0 / max(active, 1.0)
-    intercepted, clipped, dual_clipped = (count * per_token for count in clip_counts)
+    intercepted, clipped, dual_clipped = (count * per_token for count in counts)
     return pg_loss, {
         "actor/sat_gate_rate": gate_sum * per_unit,
         "actor/sat_q": q,

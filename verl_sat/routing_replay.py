@@ -25,9 +25,15 @@ produces the weights (its scores gathered at the replayed experts), so the route
     rr.detach()
 
 Routes are indexed by absolute decoder-layer index (dense layers keep zero rows); an all-zero row means "no
-recorded route, route natively". Packed input (``[1, nnz]``) takes routes ``[nnz, num_layers, top_k]``.
+recorded route, route natively" (unambiguous for ``top_k >= 2``, where a real route names distinct experts; models
+with ``top_k = 1`` are refused). Packed input (``[1, nnz]``) takes routes ``[nnz, num_layers, top_k]``.
 Replaying the native routes reproduces the native forward bit for bit: each family's score rule is applied exactly
 as its own router applies it.
+
+Replay reads nothing back to the host per layer: routes are validated once per ``begin_replay`` on the device
+(``torch._assert_async``), flips are counted on the device, and ``replay_metrics`` reads them in one transfer. A
+replayed forward in which an armed MoE layer did not call its hooked router (a kernel patch that replaced the MoE
+block's forward, say) raises at ``end_replay``, naming the layer and the module that bypassed the hook.
 """
 
 import re
@@ -92,8 +98,8 @@ class _RouterSlot:
     layer: int
     num_experts: int
     top_k: int
+    name: str  # the router's (or block's) module path, for errors
     targets: torch.Tensor | None = None  # [N, top_k] long, replayed in this forward (and its recompute)
-    recorded: torch.Tensor | None = None  # [N, top_k] int16, routes chosen natively in the last forward
 
 
 @dataclass
@@ -130,14 +136,25 @@ class RoutingReplay:
         self._slots = slots
         self._mode = "native"
         self._recording: Recording | None = None
-        self._flips = 0
-        self._compared = 0
+        self._flips: torch.Tensor | int = 0  # on the device: (token, layer) routes whose native top-k set differs
+        self._compared: torch.Tensor | int = 0  # on the device: (token, layer) routes replayed
         self._layers_replayed: set[int] = set()
         self._handles: list = []
         top_ks = {slot.top_k for slot in slots.values()}
         if len(top_ks) != 1:
             raise RoutingReplayError(f"routers disagree on top_k: {sorted(top_ks)}")
         self.top_k = top_ks.pop()
+        if self.top_k < 2:
+            raise RoutingReplayError(
+                f"routing replay needs top_k >= 2, but {type(model).__name__} routes each token to {self.top_k} "
+                "expert: in verl's routed_experts layout an all-zero row means 'no recorded route', which with "
+                "top_k = 1 cannot be told from 'expert 0'"
+            )
+        # per decoder layer: the exclusive upper bound of a valid expert id (layers without a router: any)
+        limits = torch.full((num_layers, 1), torch.iinfo(torch.int64).max, dtype=torch.int64)
+        for slot in slots.values():
+            limits[slot.layer] = slot.num_experts
+        self._expert_limits: dict[torch.device | str, torch.Tensor] = {"cpu": limits, torch.device("cpu"): limits}
 
     # ---- construction ------------------------------------------------------------------------------------------
     @classmethod
@@ -152,9 +169,9 @@ class RoutingReplay:
         for name, module in model.named_modules():
             kind = type(module).__name__
             if kind in SIGMOID_GROUP_MOE_BLOCKS:
-                slots[module] = _RouterSlot(_layer_of(name), module.n_routed_experts, module.top_k)
+                slots[module] = _RouterSlot(_layer_of(name), module.n_routed_experts, module.top_k, name)
             elif kind in TOPK_ROUTER_RULES:
-                slots[module] = _RouterSlot(_layer_of(name), module.num_experts, module.top_k)
+                slots[module] = _RouterSlot(_layer_of(name), module.num_experts, module.top_k, name)
             elif kind.endswith(("TopKRouter", "TopkRouter")) and not _inside_supported_block(name, model):
                 unsupported.append(f"{name} ({kind})")
         if unsupported:
@@ -206,26 +223,52 @@ class RoutingReplay:
         self.begin_replay(routed_experts)
         try:
             yield self
-        finally:
-            self.end_replay()
+        except BaseException:
+            self.end_replay(check=False)  # the forward's own error, not a second one
+            raise
+        self.end_replay()
 
     def begin_replay(self, routed_experts: torch.Tensor) -> None:
-        """Arm replay of ``routed_experts`` for the next forward(s) (``replay()`` without the context)."""
-        targets = self._split_routes(routed_experts)
+        """Arm replay of ``routed_experts`` for the next forward(s) (``replay()`` without the context). The routes are
+        checked on the device: a bad expert id fails there, asynchronously on CUDA."""
+        targets = self._checked_routes(routed_experts)
         for slot in self._slots.values():
-            slot.targets = targets[slot.layer]
+            slot.targets = targets[:, slot.layer]
         self._flips, self._compared, self._layers_replayed = 0, 0, set()
         self._mode = "replay"
 
-    def end_replay(self) -> None:
-        """Back to native routing; the targets stay for a backward recompute until the next native forward."""
+    def end_replay(self, check: bool = True) -> None:
+        """Back to native routing; the targets stay for a backward recompute until the next native forward.
+
+        With ``check``, raise ``RoutingReplayError`` when a router armed by ``begin_replay`` was not called by the
+        forward(s) since (its layer trained with its own routing under R3), naming the layer and the MoE block."""
         self._mode = "native"
+        if not check:
+            return
+        bypassed = [(module, slot) for module, slot in self._slots.items() if slot.layer not in self._layers_replayed]
+        if bypassed:
+            module, slot = bypassed[0]
+            if type(module).__name__ in SIGMOID_GROUP_MOE_BLOCKS:
+                what = f"the MoE block {slot.name} ({type(module).__name__}) did not call its route_tokens_to_experts"
+            else:
+                block = slot.name.rsplit(".", 1)[0]
+                what = (f"the MoE block {block} ({type(self.model.get_submodule(block)).__name__}) did not call its "
+                        f"router {slot.name} ({type(module).__name__})")  # fmt: skip
+            raise RoutingReplayError(
+                f"routing replay was armed for {len(self._slots)} MoE layers, but in layer {slot.layer} {what}, so "
+                f"the layer routed natively under R3 (layers not replayed: {sorted(s.layer for _, s in bypassed)}). "
+                "A kernel or patch that replaces the MoE block's forward (Liger, NPU, a fused MoE kernel) bypasses "
+                "the hook: turn it off for routing replay, or set router_replay.mode=disabled"
+            )
 
     def replay_metrics(self) -> dict[str, float]:
         """Of the last replay: fraction of (token, layer) routes where the trainer's native top-k set differs from
-        the replayed one, and the number of layers replayed."""
+        the replayed one, and the number of layers replayed. The one host read of a replay."""
+        flips, compared = 0, 0
+        if torch.is_tensor(self._compared):  # a layer replayed
+            flips, compared = torch.stack([self._flips, self._compared]).tolist()
         return {
-            "actor/r3_route_flip_frac": self._flips / self._compared if self._compared else 0.0,
+            "actor/r3_route_flip_frac": flips / compared if compared else 0.0,
             "actor/r3_layers_replayed": float(len(self._layers_replayed)),
         }
 
@@ -256,7 +299,8 @@ class RoutingReplay:
         return indices, scores * block.routed_scaling_factor
 
     def _choose(self, module: nn.Module, native: torch.Tensor) -> torch.Tensor:
-        """The indices this router uses now: the replayed targets (native on all-zero rows) or its own."""
+        """The indices this router uses now: the replayed targets (native on all-zero rows) or its own. Nothing here
+        reads the device: the flip counts stay there until ``replay_metrics``."""
         slot = self._slots[module]
         in_backward = torch._C._current_graph_task_id() != -1  # a gradient-checkpointing recompute
         if self._mode == "record" and not in_backward:
@@ -264,7 +308,7 @@ class RoutingReplay:
         if slot.targets is None or (self._mode != "replay" and not in_backward):
             slot.targets = None  # a native forward: earlier targets no longer belong to any pending backward
             return native
-        targets = slot.targets.to(native.device)
+        targets = slot.targets
         if targets.shape[0] != native.shape[0]:
             raise RoutingReplayError(
                 f"routes cover {targets.shape[0]} tokens but layer {slot.layer} routes {native.shape[0]}: pass "
@@ -275,30 +319,36 @@ class RoutingReplay:
         if not in_backward:
             with torch.no_grad():
                 replayed = ~no_route.squeeze(-1)
-                differs = (native.sort(dim=-1).values != indices.sort(dim=-1).values).any(dim=-1)
-                self._flips += int((differs & replayed).sum())
-                self._compared += int(replayed.sum())
+                # top-k sets of distinct experts: equal when every native expert is among the replayed ones
+                same = (native.unsqueeze(-1) == indices.unsqueeze(-2)).any(dim=-1).all(dim=-1)
+                self._flips = self._flips + torch.count_nonzero(replayed & ~same)
+                self._compared = self._compared + torch.count_nonzero(replayed)
                 self._layers_replayed.add(slot.layer)
         return indices
 
     # ---- validation --------------------------------------------------------------------------------------------
-    def _split_routes(self, routes: torch.Tensor) -> dict[int, torch.Tensor]:
+    def _checked_routes(self, routes: torch.Tensor) -> torch.Tensor:
+        """``routes`` as int64 ``[N, num_layers, top_k]``; the shape is checked here, the expert ids on the device."""
         if routes.dim() < 3 or routes.shape[-2] != self.num_layers or routes.shape[-1] != self.top_k:
             raise RoutingReplayError(
                 f"routed_experts has shape {tuple(routes.shape)}; expected [..., num_hidden_layers="
                 f"{self.num_layers}, top_k={self.top_k}]"
             )
         flat = routes.reshape(-1, self.num_layers, self.top_k).long()
-        targets = {}
-        for slot in self._slots.values():
-            layer_routes = flat[:, slot.layer]
-            if layer_routes.numel() and (layer_routes.min() < 0 or layer_routes.max() >= slot.num_experts):
-                raise RoutingReplayError(
-                    f"routed_experts of layer {slot.layer} hold expert ids in "
-                    f"[{int(layer_routes.min())}, {int(layer_routes.max())}]; the model has {slot.num_experts} experts"
-                )
-            targets[slot.layer] = layer_routes
-        return targets
+        limits = self._expert_limits.get(flat.device)
+        if limits is None:  # once per device
+            limits = self._expert_limits[flat.device] = self._expert_limits["cpu"].to(flat.device)
+        valid = torch.logical_and(flat >= 0, flat < limits).all()
+        message = (f"routed_experts hold an expert id outside [0, num_experts) of its MoE layer (experts per layer: "
+                   f"{self._experts_by_layer()})")  # fmt: skip
+        try:
+            torch._assert_async(valid, message)  # on CUDA a device-side assert, read by nobody
+        except RuntimeError as err:  # on the CPU it raises at once
+            raise RoutingReplayError(message) from err
+        return flat
+
+    def _experts_by_layer(self) -> dict[int, int]:
+        return {slot.layer: slot.num_experts for slot in sorted(self._slots.values(), key=lambda s: s.layer)}
 
 
 def _layer_of(module_name: str) -> int:

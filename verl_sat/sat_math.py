@@ -17,8 +17,9 @@ Shapes: ``B`` sequences, ``T`` response tokens. Inputs are ``[B, T]`` tensors of
 statistics (``|d|``, the quantile, the contraction factors) are computed in float32, or float64 for float64 inputs.
 The surrogates return per-token loss matrices; aggregation (verl's ``agg_loss``) is left to the caller.
 
-Nothing here reads a tensor back to the host: the tail quantile is an exact radix select over the float bits with
-static sizes (``bincount`` passes), so on CUDA the loss is queued without a stream stall.
+Nothing here reads a tensor back to the host, and every operator is deterministic on CUDA: the tail quantile is an
+exact order statistic from ``topk`` (or a ``sort`` and an int64 cumulative weight) with static sizes and int64 ranks,
+so on CUDA the loss is queued without a stream stall, also under ``torch.use_deterministic_algorithms(True)``.
 """
 
 import functools
@@ -45,8 +46,8 @@ class SatParams:
     """Hyperparameters of the Staleness-Adaptive Trust Region (Eqs. 14-20): what the gate and the surrogates read.
 
     Args:
-        quantile (float): Tail quantile alpha in (0, 1); units with |d| above the alpha-quantile q of the
-            micro-batch are gated (Eq. 14).
+        quantile (float): Tail quantile alpha in (0, 1), a decimal of at most 6 places; units with |d| above the
+            alpha-quantile q of the micro-batch are gated (Eq. 14).
         quantile_method (str): How q is read off the sorted |d|: "inverted_cdf" (the paper's lower empirical
             quantile: the ceil(alpha * n)-th smallest, no interpolation) or "linear" (torch.quantile's interpolation).
         kernel (str): Contraction kernel (Eq. 16), "hill" (kappa = q^n / (q^n + a^n)) or "hill_shifted"
@@ -72,7 +73,10 @@ def sat_param_errors(params: SatParams, loss_mode: str | None = None) -> list[tu
     """Every invalid hyperparameter as ``(name, value, what is wrong)``; ``loss_mode`` adds the check that a
     token-level loss keeps the default granularity."""
     allowed = {
-        "quantile": (0.0 < params.quantile < 1.0, "a float in the open interval (0, 1)"),
+        "quantile": (
+            0.0 < params.quantile < 1.0 and _alpha_fraction(params.quantile).denominator <= MAX_QUANTILE_DENOMINATOR,
+            "a float in the open interval (0, 1) with at most 6 decimal places",
+        ),
         "quantile_method": (params.quantile_method in QUANTILE_METHODS, f"one of {list(QUANTILE_METHODS)}"),
         "kernel": (params.kernel in KERNELS, f"one of {list(KERNELS)}"),
         "kernel_exponent": (params.kernel_exponent > 0.0, "a float > 0"),
@@ -155,14 +159,14 @@ class SatSurrogate:
     """Output of a SAT surrogate.
 
     Attributes:
-        loss_mat: ``[B, T]`` per-token loss (0 at NaN tokens).
+        loss_mat: ``[B, T]`` per-token loss, exactly 0 at inactive tokens (padding and NaN tokens).
         mask: ``[B, T]`` bool, active tokens after dropping NaN tokens; aggregate with this mask.
         num_active: 0-dim int64, active tokens (``mask`` count).
         num_sequences: 0-dim int64, sequences with an active token, when the surrogate counted them (GSPO), else
             ``None``.
         num_nan: 0-dim int64, originally active tokens dropped for NaN inputs.
         log_ratio: ``[B, T]`` detached ``lp - lp_old`` from which verl's counterpart computes ``ppo_kl`` (clamped at
-            +-20 for the token rule, raw for GSPO; 0 at NaN tokens).
+            +-20 for the token rule, raw for GSPO); 0 at inactive tokens.
         clipped: ``[B, T]`` bool, active tokens whose clip term is active (``L2 > L1``), verl's ``pg_clipfrac``.
         intercepted: ``[B, T]`` bool, active tokens clipped by SAT but not by the nominal interval.
         dual_clipped: ``[B, T]`` bool, active tokens whose dual clip is active (token rule), ``None`` for GSPO.
@@ -188,12 +192,8 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
 
 # ---- the tail quantile (Eq. 14) ------------------------------------------------------------------------------------
 
-# Up to this many units the order statistic comes from a sort; above, from a radix select over the float bits.
-_SORT_MAX_NUMEL = 1 << 10
-# Radix digits (bits per bincount pass) over the non-negative float's bit pattern, most significant first; about
-# 2^11 buckets per pass keep bincount and cumsum cheap for micro-batches of 2^15 to 2^20 tokens.
-_RADIX_DIGITS = {torch.float32: (torch.int32, (11, 10, 10)), torch.float64: (torch.int64, (15, 16, 16, 16))}
-_MAX_WEIGHTED_UNITS = 1 << 40  # bound on the tokens of one micro-batch (the int64 range check of the rank)
+MAX_UNITS = 1 << 40  # tokens of one micro-batch, at most (the int64 rank arithmetic below is exact up to it)
+MAX_QUANTILE_DENOMINATOR = 10**6  # the quantile is a decimal of at most 6 places: (10^6 + 10^6) x 2^40 < 2^62
 
 
 @functools.cache
@@ -202,88 +202,38 @@ def _alpha_fraction(alpha: float) -> Fraction:
     return Fraction(repr(float(alpha)))
 
 
-def quantile_ranks(
-    num: torch.Tensor, alpha: float, method: str, numel: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def quantile_ranks(num: torch.Tensor, alpha: float, method: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """1-based ascending ranks of the order statistics that define ``q`` among ``num`` active units.
 
-    ``inverted_cdf`` (the paper's lower empirical quantile, Eq. 14): rank ``k = ceil(alpha * n)``, exact for the
-    decimal written (alpha 0.9 of 70 units is rank 63). ``linear`` (``torch.quantile``): ranks ``floor(p) + 1`` and
-    ``ceil(p) + 1`` with ``p = alpha * (n - 1)``, interpolated with weight ``p - floor(p)``.
+    ``inverted_cdf`` (the paper's lower empirical quantile, Eq. 14): rank ``k = ceil(alpha * n)`` in int64, exact for
+    the decimal written (alpha 0.9 of 70 units is rank 63). ``linear`` (``torch.quantile``): ranks ``floor(p) + 1``
+    and ``ceil(p) + 1`` with ``p = alpha * (n - 1)`` in float64, interpolated with weight ``p - floor(p)``.
 
     Args:
-        num: 0-dim int64 count of active units; numel: a static upper bound on it (for the int64 range check).
+        num: 0-dim int64 count of active units, at most ``MAX_UNITS``; alpha: a decimal of at most 6 places.
 
     Returns:
-        ``ranks``, int64, at least 1: 0-dim for ``inverted_cdf``, ``[2]`` for ``linear``; and the interpolation weight
-        (0-dim float64; ``None`` for ``inverted_cdf``).
+        ``ranks``, int64, at least 1: ``[1]`` for ``inverted_cdf``, ``[2]`` for ``linear``; and the interpolation
+        weight (0-dim float64; ``None`` for ``inverted_cdf``).
     """
     if method == "inverted_cdf":
         frac = _alpha_fraction(alpha)
-        if (frac.numerator + frac.denominator) * max(numel, 1) < 2**62:
-            rank = torch.div(num * frac.numerator + frac.denominator - 1, frac.denominator, rounding_mode="floor")
-        else:  # a decimal too long for exact int64 arithmetic: one host read
-            rank = torch.tensor(math.ceil(frac * int(num)), device=num.device)
-        return rank.clamp_(min=1), None
+        if frac.denominator > MAX_QUANTILE_DENOMINATOR:
+            raise ValueError(f"SAT quantile {alpha!r} has more than 6 decimal places: no exact int64 rank")
+        rank = torch.div(num * frac.numerator + frac.denominator - 1, frac.denominator, rounding_mode="floor")
+        return rank.clamp_(min=1).reshape(1), None
     if method == "linear":
         pos = alpha * (num.to(torch.float64) - 1).clamp(min=0)
         low = pos.floor()
-        ranks = torch.stack([low, pos.ceil()]).long() + 1
-        return ranks, pos - low
+        return torch.stack([low, pos.ceil()]).long() + 1, pos - low
     raise ValueError(f"unknown SAT quantile method {method!r}; expected one of {list(QUANTILE_METHODS)}")
 
 
-def _sorted_order_statistic(values: torch.Tensor, rank: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-    """The ``rank``-th smallest (1-based) of the 1-D ``values``, each counted ``weight`` times (default once). With
-    no weight at all the position clamps to the largest value, 0 for masked values."""
-    order = values.sort()
-    if weight is None:
-        position = rank - 1
-    else:
-        position = torch.searchsorted(weight[order.indices].cumsum(0), rank, side="left")
-    # gather, not values[position]: indexing with a 0-dim tensor reads it back to the host
-    return order.values.gather(0, position.clamp(0, values.numel() - 1).reshape(1)).squeeze(0)
-
-
-def _radix_order_statistic(values: torch.Tensor, rank: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-    """The ``rank``-th smallest (1-based) of the 1-D non-negative float ``values``, each counted ``weight`` times.
-
-    A non-negative float orders as its bit pattern read as an integer, so the order statistic is found one digit of
-    bits at a time, most significant first: a ``bincount`` of the digit over the entries that share the prefix found
-    so far gives the digit whose cumulative count reaches the rank. Exact, static sizes, no host read.
-    """
-    int_dtype, digits = _RADIX_DIGITS[values.dtype]
-    bits = values.view(int_dtype)
-    counts_weight = None if weight is None else weight.to(torch.float64)
-    rank = rank.to(torch.int64 if weight is None else torch.float64)
-    prefix, total, shift = None, None, sum(digits)
-    for width in digits:
-        shift -= width
-        size = 1 << width
-        key = bits >> shift
-        if prefix is None:  # the top digit: every entry, no one below or above
-            offset = 0
-        else:  # entries below the prefix land in bucket 0, above it in bucket size + 1, with it in 1 + their digit
-            prefix = prefix << width
-            key.sub_(prefix).clamp_(-1, size).add_(1)
-            offset = 1
-        cumulative = torch.bincount(key, weights=counts_weight, minlength=size + 2 * offset).cumsum(0)
-        # entries up to digit j, those below the prefix included, are cumulative[offset + j]; the rank never exceeds
-        # the entries up to the last digit, so the digit is in range (with no weight at all, see below)
-        digit = torch.searchsorted(cumulative[offset : offset + size], rank, side="left")
-        if prefix is None:
-            total = cumulative[-1]
-            prefix = digit
-        else:
-            prefix = prefix | digit
-    value = prefix.to(int_dtype).view(values.dtype)
-    return value if weight is None else torch.where(total > 0, value, 0.0)  # no weight at all: nothing active
-
-
-def _order_statistic(values: torch.Tensor, rank: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-    if values.numel() <= _SORT_MAX_NUMEL or values.dtype not in _RADIX_DIGITS:
-        return _sorted_order_statistic(values, rank, weight)
-    return _radix_order_statistic(values, rank, weight)
+def _top_count(alpha: float, numel: int) -> int:
+    """How many of the largest of ``numel`` entries hold every order statistic ``quantile_ranks`` asks for: above rank
+    ``ceil(alpha n)`` lie ``floor((1 - alpha) n)`` entries, which grows with ``n``; one more for the rank itself and
+    one for ``linear``'s upper neighbour."""
+    return min(numel, numel - math.ceil(_alpha_fraction(alpha) * numel) + 2)
 
 
 def tail_quantile(
@@ -296,8 +246,7 @@ def tail_quantile(
     """The alpha-quantile ``q`` of the active ``values`` (Eq. 14), exact for any count (also above 2^24).
 
     Args:
-        values: non-negative and finite at active entries (float32 or float64 for any count), any shape; mask: bool,
-            same shape (active entries).
+        values: non-negative and finite at active entries, any shape; mask: bool, same shape (active entries).
         alpha: in [0, 1]; method: ``inverted_cdf`` or ``linear`` (see ``quantile_ranks``).
         weight: optional int64 multiplicity per entry (``sequence`` granularity: a sequence's length).
 
@@ -312,21 +261,30 @@ def tail_quantile(
 
 def _masked_tail_quantile(values, num, alpha, method, weight) -> torch.Tensor:
     """``tail_quantile`` of ``values`` that are 0 at inactive entries, with ``weight`` 0 there too (or ``None``: unit
-    weights); ``num`` counts the active units. Inactive entries rank below, or tie with, every active one, so with
-    unit weights the ranks are shifted by their count."""
-    flat_values = values.reshape(-1)
-    numel = flat_values.numel()
-    if numel == 0:
+    weights); ``num`` counts the active units.
+
+    Unit weights: the inactive zeros sort below (or tie with) every active entry, so rank ``k`` among ``num`` active
+    entries is the ``(num - k)``-th largest entry overall (0-based), read off a ``topk`` of static size. Weights: a
+    sort, the int64 cumulative weight in that order, and a ``searchsorted`` of the rank, which lands on an entry of
+    positive weight. Ties cannot change the value found, no operator reads back to the host, and each is
+    deterministic on CUDA (``topk``, ``sort``, integer ``cumsum``, ``searchsorted``, ``gather``).
+    """
+    flat = values.reshape(-1)
+    if flat.numel() == 0:
         return values.new_zeros(())
+    ranks, interpolation = quantile_ranks(num, alpha, method)
     if weight is None:
-        ranks, interpolation = quantile_ranks(num, alpha, method, numel)
-        ranks, flat_weight = (ranks + (numel - num)).clamp_(max=numel), None  # nothing active: the largest, 0
+        ordered = torch.topk(flat, _top_count(alpha, flat.numel())).values  # descending
+        position = num - ranks
     else:
-        ranks, interpolation = quantile_ranks(num, alpha, method, _MAX_WEIGHTED_UNITS)
-        flat_weight = weight.reshape(-1)
+        ordered, order = torch.sort(flat)
+        cumulative = weight.reshape(-1).gather(0, order).cumsum(0)
+        position = torch.searchsorted(cumulative, ranks)
+    # gather, not ordered[position]: indexing with a tensor of positions would read it back to size the result
+    found = ordered.gather(0, position.clamp_(0, ordered.numel() - 1))
     if method == "inverted_cdf":
-        return _order_statistic(flat_values, ranks, flat_weight)
-    low, high = (_order_statistic(flat_values, rank, flat_weight) for rank in ranks.unbind())
+        return found.squeeze(0)
+    low, high = found.unbind()
     return torch.lerp(low, high, interpolation.to(values.dtype))
 
 
@@ -388,8 +346,8 @@ def trust_region(
     parts = (gated, a, lower_part, upper_part)
     if weight is None:
         sums = [part.sum() for part in parts]
-    else:  # per-sequence units: one weighted reduction
-        sums = (torch.stack(parts).reshape(len(parts), -1) @ weight.reshape(-1).to(a.dtype)).unbind()
+    else:  # per-sequence units: one weighted reduction (no matmul: cuBLAS is not deterministic by default)
+        sums = torch.stack(parts).reshape(len(parts), -1).mul_(weight.reshape(-1)).sum(-1).unbind()
     stats = RegionStats(
         gated=sums[0], abs_proxy=sums[1], lower_shrink=-sums[2], upper_shrink=sums[3], max_shrink=max_shrink
     )
@@ -416,14 +374,16 @@ def trust_region(
 
 @dataclass(frozen=True)
 class _CleanInputs:
-    """NaN tokens (Eq. 13 needs finite log-probs) made inactive. ``[B, T]``.
+    """The inputs with every inactive token set to 0: padding, and active tokens with a NaN input, which become
+    inactive (Eq. 13 needs a finite log-ratio). ``[B, T]``.
 
-    ``diff`` keeps their NaN: every later use either masks them (verl's masked sums select with ``where``) or clamps
-    before ``exp``, and a clamp's backward passes no gradient to a NaN input, so none reaches the log-probs.
+    The zeros are selected with ``where`` before anything else, so no NaN or inf of an inactive token reaches the
+    loss, its gradient or the statistics: ``loss_mat`` is exactly 0 there, which verl's ``seq-mean-*`` aggregations
+    need (they multiply by the mask, and NaN x 0 is NaN).
     """
 
-    diff: torch.Tensor  # lp - lp_old, carries the gradient
-    multiplier: torch.Tensor  # -A, 0 at NaN entries (so that no NaN gradient comes back through the loss)
+    diff: torch.Tensor  # lp - lp_old, carries the gradient; 0 at inactive tokens, +-inf where a log-prob is +-inf
+    multiplier: torch.Tensor  # -A, 0 at inactive tokens
     mask: torch.Tensor  # bool, active and not NaN
     num_active: torch.Tensor  # 0-dim int64
     num_nan: torch.Tensor  # 0-dim int64, originally active tokens dropped
@@ -432,27 +392,31 @@ class _CleanInputs:
 def _clean_inputs(log_prob, old_log_prob, advantages, response_mask) -> _CleanInputs:
     diff = log_prob - old_log_prob
     given = response_mask.bool()
-    # NaN in any input (or inf - inf in the difference) drops the token
-    dropped = torch.isnan(diff.detach() + advantages).logical_and_(given)
+    # NaN in any input (or inf - inf in the difference) drops the token; +-inf alone goes through the clamp
+    dropped = torch.isnan(diff.detach()).logical_or_(torch.isnan(advantages)).logical_and_(given)
     mask = given ^ dropped
-    num_nan = torch.count_nonzero(dropped)
     return _CleanInputs(
-        diff=diff,
-        multiplier=advantages.nan_to_num(0.0).neg_(),
+        diff=torch.where(mask, diff, 0.0),
+        multiplier=torch.where(mask, advantages, -0.0).neg_(),  # +0.0 at inactive tokens
         mask=mask,
         num_active=torch.count_nonzero(mask),
-        num_nan=num_nan,
+        num_nan=torch.count_nonzero(dropped),
     )
 
 
-def _stat_proxy(log_ratio: torch.Tensor, log_prob, old_log_prob) -> torch.Tensor:
-    """Detached clamped ``lp - lp_old`` in the stat dtype, 0 at NaN tokens: ``log_ratio`` for float32/64 inputs,
-    recomputed from upcast inputs for half precision (a bf16 difference of log-probs near -3 is quantised to 1/64)."""
-    dtype = stat_dtype(log_ratio.dtype)
-    if log_ratio.dtype == dtype:
-        return log_ratio.detach().nan_to_num(0.0)
-    diff = (log_prob.detach().to(dtype) - old_log_prob.to(dtype)).nan_to_num(0.0)
+def _clamp_log_ratio(diff: torch.Tensor) -> torch.Tensor:
     return torch.clamp(diff, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+
+
+def _stat_proxy(inputs: _CleanInputs, log_prob, old_log_prob, log_ratio: torch.Tensor | None = None) -> torch.Tensor:
+    """The token proxy ``d = clamp(lp - lp_old, -20, 20)`` (Eq. 13), detached, in the stat dtype, 0 at inactive tokens:
+    ``log_ratio`` (the clamped ``diff``) itself when given for float32/64 inputs; recomputed from upcast inputs for half
+    precision (a bf16 difference of log-probs near -3 is quantised to 1/64)."""
+    dtype = stat_dtype(inputs.diff.dtype)
+    if inputs.diff.dtype == dtype:
+        return _clamp_log_ratio(inputs.diff.detach()) if log_ratio is None else log_ratio.detach()
+    diff = torch.where(inputs.mask, log_prob.detach().to(dtype) - old_log_prob.to(dtype), 0.0)
+    return _clamp_log_ratio(diff)
 
 
 def _intercepted_tokens(ratio: torch.Tensor, clipped: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
@@ -483,9 +447,8 @@ def sat_token_surrogate(
         raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip PPO, got {clip_ratio_c}")
     inputs = _clean_inputs(log_prob, old_log_prob, advantages, response_mask)
     mask, multiplier = inputs.mask, inputs.multiplier
-    negative = advantages < 0
-    log_ratio = torch.clamp(inputs.diff, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
-    proxy = _stat_proxy(log_ratio, log_prob, old_log_prob)
+    log_ratio = _clamp_log_ratio(inputs.diff)
+    proxy = _stat_proxy(inputs, log_prob, old_log_prob, log_ratio)
     region = trust_region(proxy, mask, clip_low, clip_high, gate, log_ratio.dtype, num_units=inputs.num_active)
 
     ratio = torch.exp(log_ratio)
@@ -493,6 +456,7 @@ def sat_token_surrogate(
     loss_clipped = multiplier * torch.clamp(ratio, region.lower, region.upper)
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
     loss_dual = multiplier * clip_ratio_c
+    negative = advantages < 0
     loss_mat = torch.where(negative, torch.minimum(loss_dual, loss_ppo), loss_ppo)
 
     clipped = torch.gt(loss_clipped, loss_unclipped).logical_and_(mask)
@@ -519,8 +483,11 @@ def sat_gspo_surrogate(
     gate: SatParams,
     granularity: str = "sequence",
 ) -> SatSurrogate:
-    """GSPO-token surrogate with SAT endpoints (Eqs. 19-20), no dual clip; ``s_i`` and the ratio are built exactly as
-    verl's ``gspo`` builds them (no clamp inside ``s_i``).
+    """GSPO-token surrogate with SAT endpoints (Eqs. 19-20), no dual clip. The ratio is built exactly as verl's
+    ``gspo`` builds it, ``log rho = lp - sg(lp) + sg(s_i)`` clamped at 10, with ``s_i`` the mean of ``lp - lp_old``
+    over the sequence's active tokens, and stays finite for +-inf log-probs (verl's is NaN for an ``lp`` of +-inf,
+    and for a sequence whose ``s_i`` is inf - inf, which counts as 0 here). The gate's sequence proxy is ``s_i``
+    clamped at +-20 (Eq. 13).
 
     ``granularity``: ``sequence`` scores every active token of sequence ``i`` with ``d_i = s_i`` and takes the
     quantile over active tokens, so a sequence weighs as many times as it has active tokens (Eq. 20);
@@ -533,29 +500,32 @@ def sat_gspo_surrogate(
     if granularity not in GRANULARITIES:
         raise ValueError(f"unknown SAT granularity {granularity!r}; expected one of {list(GRANULARITIES)}")
     inputs = _clean_inputs(log_prob, old_log_prob, advantages, response_mask)
-    mask, multiplier, diff = inputs.mask, inputs.multiplier, inputs.diff
+    mask, multiplier = inputs.mask, inputs.multiplier
     lengths = torch.sum(mask, dim=-1)
-    # s_i as verl's gspo computes it (a detached value there too), with NaN tokens zeroed before the masked sum
-    seq_log_ratio = torch.sum(diff.detach().nan_to_num(0.0).mul_(mask), dim=-1) / lengths.clamp(min=1)  # [B]
+    # s_i, [B], as verl computes it (the diff is 0 at inactive tokens); inf - inf (NaN) counts as 0
+    seq_log_ratio = (inputs.diff.detach().sum(dim=-1) / lengths.clamp(min=1)).nan_to_num_(0.0)
 
+    token_proxy = _stat_proxy(inputs, log_prob, old_log_prob)
     if granularity == "token":
-        proxy = _stat_proxy(
-            torch.clamp(diff.detach(), min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP), log_prob, old_log_prob
-        )
-        region = trust_region(proxy, mask, clip_low, clip_high, gate, diff.dtype, num_units=inputs.num_active)
+        region = trust_region(token_proxy, mask, clip_low, clip_high, gate, log_prob.dtype,
+                              num_units=inputs.num_active)  # fmt: skip
     else:
         proxy = seq_log_ratio
         if proxy.dtype != stat_dtype(proxy.dtype):  # half precision: s_i from upcast inputs
-            upcast = (log_prob.detach().to(torch.float32) - old_log_prob.to(torch.float32)).nan_to_num(0.0)
-            proxy = torch.sum(upcast * mask, dim=-1) / lengths.clamp(min=1)
+            upcast = torch.where(mask, log_prob.detach().float() - old_log_prob.float(), 0.0)
+            proxy = (upcast.sum(dim=-1) / lengths.clamp(min=1)).nan_to_num_(0.0)
+        proxy = _clamp_log_ratio(proxy)
         if granularity == "sequence":  # length-weighted (Eq. 20): the units it saw are the active tokens
             weight, num_units = lengths.unsqueeze(-1), inputs.num_active
         else:
             weight, num_units = None, None
         region = trust_region(proxy.unsqueeze(-1), (lengths > 0).unsqueeze(-1), clip_low, clip_high, gate,
-                              diff.dtype, weight=weight, num_units=num_units)  # fmt: skip
+                              log_prob.dtype, weight=weight, num_units=num_units)  # fmt: skip
 
-    log_rho = diff - diff.detach() + seq_log_ratio.unsqueeze(-1)  # value s_i, gradient d lp (as verl)
+    # value s_i, gradient d lp, as verl's gspo; NaN and +-inf log-probs contribute neither (their tokens carry a zero
+    # multiplier, and no inf - inf arises)
+    gradient_path = log_prob.nan_to_num(0.0, 0.0, 0.0)
+    log_rho = gradient_path - gradient_path.detach() + seq_log_ratio.unsqueeze(-1)
     rho = torch.exp(torch.clamp(log_rho, max=GSPO_LOG_RATIO_MAX))
     loss_unclipped = multiplier * rho
     loss_clipped = multiplier * torch.clamp(rho, region.lower, region.upper)
@@ -569,7 +539,7 @@ def sat_gspo_surrogate(
         mask=mask,
         num_active=inputs.num_active,
         num_nan=inputs.num_nan,
-        log_ratio=diff.detach(),
+        log_ratio=inputs.diff.detach(),
         clipped=clipped,
         intercepted=_intercepted_tokens(band_ratio.reshape(len(band_ratio), -1), clipped, clip_low, clip_high),
         dual_clipped=None,

@@ -44,6 +44,7 @@ from verl_sat.embedded.attribution import StalenessSplit, sat_gate
 from verl_sat.embedded.decode import position_ids, response_log_probs
 from verl_sat.embedded.rollout import RolloutBatch
 from verl_sat.embedded.run_files import MISMATCH
+from verl_sat.mismatch import abs_log_ratio_sum
 from verl_sat.routing_replay import RoutingReplay
 
 
@@ -164,7 +165,7 @@ def train_step(
     sat = sat_params_of(actor.policy_loss, loss_mode) if loss_mode in ("sat", "sat_gspo") else None
     clip_low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
     clip_high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
-    split, mismatch_sum, mismatch_tokens = StalenessSplit(), 0.0, 0
+    split, mismatch = StalenessSplit(), torch.zeros(2)
     skipped, grad_norms = 0, []
     prompts = batch.input_ids.shape[0] // settings.n
     chunks = torch.arange(batch.input_ids.shape[0]).split(prompts // settings.sync_steps * settings.n)
@@ -205,8 +206,7 @@ def train_step(
                         gated = sat_gate(loss_mode, sat, detached, old_log_prob[rows], adv[rows], active, clip_low,
                                          clip_high)  # fmt: skip
                         split.add(detached, trainer_at_version[rows], rollout[rows], active, gated)
-                        mismatch_sum += float((detached - rollout[rows]).abs()[active].sum())
-                        mismatch_tokens += int(active.sum())
+                        mismatch = mismatch + abs_log_ratio_sum(detached, rollout[rows], active)
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), actor.optim.clip_grad)
                 if torch.isfinite(grad_norm):
                     optimizer.step()
@@ -221,6 +221,7 @@ def train_step(
     out["actor/grad_norm"] = float(np.mean(grad_norms))
     out["actor/optimizer_steps"] = len(grad_norms)
     out["actor/skipped_optimizer_steps"] = skipped
+    mismatch_sum, mismatch_tokens = mismatch.tolist()
     out[MISMATCH] = mismatch_sum / max(mismatch_tokens, 1)
     out.update(split.metrics())
     return out

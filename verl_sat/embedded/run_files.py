@@ -32,10 +32,12 @@ from pathlib import Path
 
 import torch
 
+from verl_sat.mismatch import MISMATCH_METRIC
+
 ACCURACY = "val/accuracy"  # avg@k on the test split
 REWARD = "reward/mean"
 OPTIMIZER_STEP = "training/optimizer_step"  # optimizer steps done after the trainer step (lags compare on it)
-MISMATCH = "actor/mismatch_abs_log_ratio"  # mean |log_prob - mu| of the step's last epoch (Eq. 52)
+MISMATCH = MISMATCH_METRIC  # mean |log_prob - mu| of the step's last epoch (Eq. 52)
 POLICY_LAG = "staleness/policy_abs_mean"  # mean |log pi(j) - log pi(l)|
 ENGINE_MISMATCH = "staleness/engine_abs_mean"  # mean |log pi(l) - log mu|
 INTERCEPTED = "actor/sat_intercepted_frac"
