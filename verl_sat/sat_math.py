@@ -236,6 +236,41 @@ def _top_count(alpha: float, numel: int) -> int:
     return min(numel, numel - math.ceil(_alpha_fraction(alpha) * numel) + 2)
 
 
+# Devices where ``_largest`` searches the bits of an unsorted ``topk``: on a CPU a sorted ``topk`` of 10 % of a
+# micro-batch costs twice as much as the unsorted one, and the search over it a fraction; on CUDA the sorted one is a
+# few kernels where the search would be 31 rounds of them.
+BITWISE_SELECT_DEVICES = ("cpu",)
+BITWISE_SELECT_MIN_NUMEL = 1 << 18  # below, a sorted topk is as fast on a CPU
+_BITS = {torch.float32: (torch.int32, 31), torch.float64: (torch.int64, 63)}  # value bits below the sign bit
+
+
+def _largest(values: torch.Tensor, top: int, positions: torch.Tensor) -> torch.Tensor:
+    """The ``positions``-th largest (0-based, int64 ``[r]``, each ``< top``) of the 1-D non-negative ``values``."""
+    if (
+        values.device.type in BITWISE_SELECT_DEVICES
+        and values.dtype in _BITS
+        and len(values) >= BITWISE_SELECT_MIN_NUMEL
+    ):
+        return _bitwise_select(torch.topk(values, top, sorted=False).values, positions)
+    return torch.topk(values, top).values.gather(0, positions)
+
+
+def _bitwise_select(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The ``positions``-th largest (0-based, int64 ``[r]``, each ``< len(values)``) of the 1-D non-negative float32
+    or float64 ``values``. Such a float orders as its bit pattern read as an integer, so the answer is built bit by
+    bit, most significant first: a bit stays set when at least ``position + 1`` entries are at or above the
+    pattern so far. Static shapes, no host read."""
+    int_dtype, bits = _BITS[values.dtype]
+    patterns = values.view(int_dtype)
+    needed = positions.unsqueeze(-1) + 1  # [r, 1]
+    found = torch.zeros_like(needed, dtype=int_dtype)
+    for bit in range(bits - 1, -1, -1):
+        candidate = found | (1 << bit)
+        at_or_above = torch.count_nonzero(patterns >= candidate, dim=-1).unsqueeze(-1)  # [r, 1]
+        found = torch.where(at_or_above >= needed, candidate, found)
+    return found.squeeze(-1).view(values.dtype)
+
+
 def tail_quantile(
     values: torch.Tensor,
     mask: torch.Tensor,
@@ -264,24 +299,22 @@ def _masked_tail_quantile(values, num, alpha, method, weight) -> torch.Tensor:
     weights); ``num`` counts the active units.
 
     Unit weights: the inactive zeros sort below (or tie with) every active entry, so rank ``k`` among ``num`` active
-    entries is the ``(num - k)``-th largest entry overall (0-based), read off a ``topk`` of static size. Weights: a
-    sort, the int64 cumulative weight in that order, and a ``searchsorted`` of the rank, which lands on an entry of
-    positive weight. Ties cannot change the value found, no operator reads back to the host, and each is
-    deterministic on CUDA (``topk``, ``sort``, integer ``cumsum``, ``searchsorted``, ``gather``).
+    entries is the ``(num - k)``-th largest entry overall (0-based), found among a ``topk`` of static size
+    (``_largest``). Weights: a sort, the int64 cumulative weight in that order, and a ``searchsorted`` of the rank,
+    which lands on an entry of positive weight. Ties cannot change the value found, no operator reads back to the
+    host, and each is deterministic on CUDA (``topk``, ``sort``, integer ``cumsum``, ``searchsorted``, ``gather``).
     """
     flat = values.reshape(-1)
     if flat.numel() == 0:
         return values.new_zeros(())
     ranks, interpolation = quantile_ranks(num, alpha, method)
     if weight is None:
-        ordered = torch.topk(flat, _top_count(alpha, flat.numel())).values  # descending
-        position = num - ranks
+        found = _largest(flat, _top_count(alpha, flat.numel()), (num - ranks).clamp_(min=0))
     else:
         ordered, order = torch.sort(flat)
         cumulative = weight.reshape(-1).gather(0, order).cumsum(0)
-        position = torch.searchsorted(cumulative, ranks)
-    # gather, not ordered[position]: indexing with a tensor of positions would read it back to size the result
-    found = ordered.gather(0, position.clamp_(0, ordered.numel() - 1))
+        # gather, not ordered[position]: indexing with a tensor of positions would read it back to size the result
+        found = ordered.gather(0, torch.searchsorted(cumulative, ranks).clamp_(max=flat.numel() - 1))
     if method == "inverted_cdf":
         return found.squeeze(0)
     low, high = found.unbind()
@@ -322,7 +355,8 @@ def trust_region(
     """Tail gate, kernel and sign-selected endpoint contraction (Eqs. 14-17).
 
     Args:
-        proxy: detached staleness proxy ``d`` per unit, any shape; unit_mask: bool, same shape.
+        proxy: detached staleness proxy ``d`` per unit, any shape, finite, 0 at inactive units; unit_mask: bool, same
+            shape.
         clip_low, clip_high: nominal radii ``eps_lo``, ``eps_hi``.
         loss_dtype: dtype of the returned endpoints (the dtype the ratio is clamped in).
         weight: optional int64 tokens per unit (length-weighted quantile), 0 at inactive units; default 1 per active
@@ -331,7 +365,7 @@ def trust_region(
     """
     # the statistics are detached, fresh tensors: updated in place (each fresh CPU temporary costs page faults)
     d = proxy.detach().to(stat_dtype(proxy.dtype))
-    a = d.abs().mul_(unit_mask)  # 0 at inactive units
+    a = d.abs()  # 0 at inactive units, as d
     if num_units is None:
         num_units = torch.count_nonzero(unit_mask) if weight is None else weight.sum()
     q = _masked_tail_quantile(a, num_units, gate.quantile, gate.quantile_method, weight)
@@ -392,8 +426,9 @@ class _CleanInputs:
 def _clean_inputs(log_prob, old_log_prob, advantages, response_mask) -> _CleanInputs:
     diff = log_prob - old_log_prob
     given = response_mask.bool()
-    # NaN in any input (or inf - inf in the difference) drops the token; +-inf alone goes through the clamp
-    dropped = torch.isnan(diff.detach()).logical_or_(torch.isnan(advantages)).logical_and_(given)
+    # NaN in any input (or inf - inf in the difference, or with the advantage) drops the token; +-inf log-probs alone
+    # go through the clamp
+    dropped = torch.isnan(diff.detach() + advantages).logical_and_(given)
     mask = given ^ dropped
     return _CleanInputs(
         diff=torch.where(mask, diff, 0.0),

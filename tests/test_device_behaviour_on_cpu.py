@@ -1,0 +1,158 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""The hot paths' device behaviour (SAT property 9), checked on the CPU at the ATen level with
+``verl_sat.op_audit.CudaOpAudit``: the SAT losses, forward and backward, read the device once (the metrics) and run
+no operator that synchronises or is non-deterministic on CUDA; an R3 forward + backward runs no such operator beyond
+the same model's native one and reads at most once more, whatever the number of MoE layers; and both run under
+``torch.use_deterministic_algorithms(True)``."""
+
+from collections import Counter
+
+import pytest
+import torch
+from conftest import AGG_MODES, LOSS_CASES, QUANTILE_METHODS, actor_config, make_stale_batch, sat_overrides
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+from verl_sat.fsdp_engine import micro_batch_routes
+from verl_sat.op_audit import CudaOpAudit
+from verl_sat.routing_replay import RoutingReplay
+
+CASES = [(*case, method) for case in LOSS_CASES for method in QUANTILE_METHODS]
+CASE_IDS = [f"{c[0]}-{c[1]}-{c[3]}" for c in CASES]
+BATCHES = {  # a small micro-batch, and 64 x 1024 tokens (the size where the earlier quantile switched to bincount)
+    "small": lambda: make_stale_batch(30),
+    "large": lambda: make_stale_batch(30, num_prompts=16, group=4, length=1024),
+}
+
+
+@pytest.fixture
+def deterministic():
+    """``torch.use_deterministic_algorithms(True)`` for the test, restored after."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+def test_the_audit_sees_each_kind_of_operator():
+    x, i = torch.arange(6.0), torch.tensor([2, 0, 1])
+    with CudaOpAudit() as audit:
+        x.sum().item(), float(x[0]), bool(x[1] > 0), x.tolist(), x.cpu()
+        x[x > 2], x.nonzero(), torch.masked_select(x, x > 1), x.unique(), torch.where(x > 2), torch.equal(x, x)
+        i.bincount(), i.repeat_interleave(i), x.histc()
+        i.bincount(weights=x[:3]), x.cumsum(0), x.kthvalue(2), x.median(0)
+        x.reshape(2, 3) @ x.reshape(3, 2)
+        # none of these syncs or is non-deterministic on CUDA
+        torch.topk(x, 2), x.sort(), torch.searchsorted(x, x), x.gather(0, i), i.cumsum(0), torch.count_nonzero(x)
+        torch.nonzero_static(x > 2, size=2), x[i], torch.where(x > 2, x, 0.0), i.repeat_interleave(i, output_size=3)
+        torch._assert_async(torch.tensor(True), "never")
+    assert audit.reads == ["_local_scalar_dense"] * 3 + ["tolist", "cpu"]
+    assert audit.syncing == ["index", "nonzero", "masked_select", "_unique2", "nonzero", "equal", "bincount",
+                             "repeat_interleave", "histc", "bincount"]  # fmt: skip
+    assert audit.nondeterministic == ["histc", "bincount", "cumsum", "kthvalue", "median"]
+    assert audit.cublas == ["mm"]
+
+
+def _audited_loss(loss, config, batch, agg, log_prob=None, mask=None):
+    lp = (batch.log_prob if log_prob is None else log_prob).detach().clone().requires_grad_()
+    with CudaOpAudit() as audit:
+        pg_loss, _ = get_policy_loss_fn(loss)(
+            batch.old_log_prob, lp, batch.advantages, batch.response_mask if mask is None else mask, agg, config
+        )
+        pg_loss.backward()
+    return audit
+
+
+@pytest.mark.parametrize("loss,granularity,nominal,method", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("size", sorted(BATCHES))
+def test_sat_losses_read_once_and_run_nothing_that_syncs(loss, granularity, nominal, method, size, selection):
+    """Forward + backward, every aggregation, also with NaN and inf inputs and with nothing active: one read (all
+    metrics in one transfer, where verl's own losses read three times) and no syncing, non-deterministic or cuBLAS
+    operator."""
+    config = actor_config(*sat_overrides(loss, granularity,
+                                         f"+actor_rollout_ref.actor.policy_loss.sat.quantile_method={method}"),
+                          loss_mode=loss)  # fmt: skip
+    batch = BATCHES[size]()
+    odd = batch.log_prob.clone()
+    odd[1, 0], odd[2, 1], odd[3, 2] = float("nan"), float("inf"), float("-inf")
+    for agg in AGG_MODES:
+        for log_prob, mask in ((None, None), (odd, None), (None, torch.zeros_like(batch.response_mask))):
+            audit = _audited_loss(loss, config, batch, agg, log_prob, mask)
+            assert audit.reads == ["tolist"], (agg, audit.reads)
+            assert audit.flagged == [], (agg, audit.flagged)
+    assert len(_audited_loss(nominal, config, batch, "token-mean").reads) == 3  # verl reads its metrics one by one
+
+
+@pytest.mark.parametrize("loss,granularity,_,method", CASES, ids=CASE_IDS)
+def test_sat_losses_run_under_deterministic_algorithms(loss, granularity, _, method, deterministic, selection):
+    config = actor_config(*sat_overrides(loss, granularity,
+                                         f"+actor_rollout_ref.actor.policy_loss.sat.quantile_method={method}"),
+                          loss_mode=loss)  # fmt: skip
+    batch = BATCHES["large"]()
+    for agg in AGG_MODES:
+        lp = batch.fresh_log_prob()
+        pg_loss, metrics = get_policy_loss_fn(loss)(
+            batch.old_log_prob, lp, batch.advantages, batch.response_mask, agg, config
+        )
+        pg_loss.backward()
+        assert torch.isfinite(pg_loss) and metrics["actor/sat_gate_rate"] > 0
+
+
+def _moe(num_layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)  # fmt: skip
+    return Qwen3MoeForCausalLM(config)
+
+
+def _forward_backward(model, ids):
+    model.zero_grad()
+    model(input_ids=ids, labels=ids).loss.backward()
+
+
+@pytest.mark.parametrize("num_layers", [2, 6])
+def test_r3_adds_no_syncing_operator_and_at_most_one_read(num_layers):
+    """A replayed forward + backward (routes laid out by the FSDP engine's ``micro_batch_routes``, flip metrics read)
+    runs no syncing, non-deterministic or cuBLAS operator beyond the native one's (transformers' own expert dispatch
+    has some), and reads the device at most once more, with 2 MoE layers as with 6."""
+    model = _moe(num_layers)
+    ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(1))
+    rr = RoutingReplay.attach(model)
+    with torch.no_grad(), rr.record() as recording:
+        model(input_ids=ids)
+    packed = recording.routed_experts.reshape(24, num_layers, 2)
+    packed[::3, 1] = torch.tensor([3, 5], dtype=torch.int16)  # some flips to count
+    with CudaOpAudit() as native:
+        _forward_backward(model, ids)
+    with CudaOpAudit() as replayed:
+        with rr.replay(micro_batch_routes(packed, pad_size=0, sequence_parallel=False)):
+            _forward_backward(model, ids)
+        metrics = rr.replay_metrics()
+    assert metrics["actor/r3_layers_replayed"] == num_layers and metrics["actor/r3_route_flip_frac"] > 0
+    extra = Counter(replayed.flagged) - Counter(native.flagged)
+    assert not extra, extra
+    assert len(replayed.reads) - len(native.reads) <= 1, (native.reads, replayed.reads)
+
+
+def test_r3_runs_under_deterministic_algorithms(deterministic):
+    model = _moe(2)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    rr = RoutingReplay.attach(model)
+    with torch.no_grad(), rr.record() as recording:
+        model(input_ids=ids)
+    with rr.replay(recording.routed_experts):
+        _forward_backward(model, ids)
+    assert rr.replay_metrics()["actor/r3_route_flip_frac"] == 0.0
