@@ -23,9 +23,14 @@ PROMPTS_PER_OPTIMIZER_STEP=${PROMPTS_PER_OPTIMIZER_STEP:-256}     # Table 9: 256
 OPTIMIZER_STEPS=${OPTIMIZER_STEPS:-544}                            # Table 9: 544 rollout iterations
 MAX_PROMPT_LEN=${MAX_PROMPT_LEN:-2048}
 MAX_RESPONSE_LEN=${MAX_RESPONSE_LEN:-32768}                        # App. F: response cap 32k
-# tokens per micro-batch and GPU (verl's dynamic batching, as the paper's 32k): SAT-GSPO's quantile is taken per
-# micro-batch, so a micro-batch must hold many sequences (a static micro-batch of 1 would make it plain GSPO)
-MAX_TOKENS_PER_GPU=${MAX_TOKENS_PER_GPU:-32768}
+# tokens per micro-batch and GPU (verl's dynamic batching): SAT-GSPO's quantile is taken per micro-batch, so a
+# micro-batch must hold many sequences (a static micro-batch of 1 would make it plain GSPO); verl asserts that the budget
+# holds the longest sequence, prompt + response, so it is at least MAX_PROMPT_LEN + MAX_RESPONSE_LEN
+MAX_TOKENS_PER_GPU=${MAX_TOKENS_PER_GPU:-$((MAX_PROMPT_LEN + MAX_RESPONSE_LEN))}
+TP=${TP:-4}                                                        # Megatron tensor parallel size (dense layers)
+EP=${EP:-8}                                                        # expert parallel size
+ETP=${ETP:-1}                                                      # expert tensor parallel size: ETP x EP x PP must
+                                                                   # divide the trainer GPUs (unset, Megatron takes TP)
 EXPERIMENT=${EXPERIMENT:-qwen3_30b_a3b_${RECIPE}_lag${LAG}}
 # ------------------------------------------------------------------------------------------------------------------
 if [[ "$LAG" == sync ]]; then LAG_CHOICE=sync; N=1; else LAG_CHOICE=lag${LAG}; N=$LAG; fi
@@ -40,8 +45,9 @@ python -m verl_sat.main --config-name ppo_megatron_trainer \
   actor_rollout_ref.model.path="$MODEL_PATH" \
   actor_rollout_ref.actor.use_dynamic_bsz=true \
   actor_rollout_ref.actor.ppo_max_token_len_per_gpu="$MAX_TOKENS_PER_GPU" \
-  actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4 \
-  actor_rollout_ref.actor.megatron.expert_model_parallel_size=8 \
+  actor_rollout_ref.actor.megatron.tensor_model_parallel_size="$TP" \
+  actor_rollout_ref.actor.megatron.expert_model_parallel_size="$EP" \
+  actor_rollout_ref.actor.megatron.expert_tensor_parallel_size="$ETP" \
   actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1 \
   actor_rollout_ref.rollout.name=sglang \
   actor_rollout_ref.rollout.calculate_log_probs=true \

@@ -486,13 +486,16 @@ def test_wheel_ships_the_recipes(tmp_path):
     [
         ("run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh", {}, "sat_gspo", 8, 2048),
         ("run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh", {"RECIPE": "gspo_tis_r3", "LAG": "1"}, "gspo", 1, 256),
+        ("run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh", {"LAG": "sync"}, "sat_gspo", None, 256),
         ("run_qwen2_5_7b_sat_grpo_fsdp.sh", {}, "sat", 1, 64),
         ("run_qwen2_5_7b_sat_grpo_fsdp.sh", {"RECIPE": "dppo", "LAG": "8"}, "dppo_tv", 8, 512),
+        ("run_qwen2_5_7b_sat_grpo_fsdp.sh", {"LAG": "sync"}, "sat", None, 64),
     ],
 )
 def test_example_scripts_compose(script, env, loss_mode, sync_step, batch, tmp_path):
-    """Every override in the example launch scripts is a key verl 0.9.1 knows and the checks pass (``--cfg job``);
-    the paper's optimizer step (prompts per optimizer step) is kept at every lag."""
+    """Every shipped example at every lag it offers (1, 8, sync): every override is a key verl 0.9.1 knows and the
+    entry point's checks pass under ``--cfg job``, the size checks included (token budgets, parallel sizes, batch
+    split); the paper's optimizer step (prompts per optimizer step) is kept at every lag."""
     root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True).stdout.strip()
     env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}", **env}
     proc = subprocess.run(
@@ -502,6 +505,9 @@ def test_example_scripts_compose(script, env, loss_mode, sync_step, batch, tmp_p
     assert "warning" not in proc.stderr
     printed = OmegaConf.create(proc.stdout)
     assert printed.actor_rollout_ref.actor.policy_loss.loss_mode == loss_mode
-    assert printed.trainer.v1.separate_async.parameter_sync_step == sync_step
+    if sync_step is None:  # lag sync: verl's synchronous v1 mode
+        assert printed.trainer.v1.trainer_mode == "sync"
+    else:
+        assert printed.trainer.v1.separate_async.parameter_sync_step == sync_step
     assert printed.data.train_batch_size == batch
     assert printed.actor_rollout_ref.actor.use_dynamic_bsz

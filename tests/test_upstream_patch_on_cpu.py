@@ -24,8 +24,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from verl_sat.cli import main as cli_main
+from verl_sat.preflight import check_sizes
 from verl_sat.upstream import PATCHES, R3_TEST, SAT_TEST, write_upstream
 from verl_sat.upstream.edit import UpstreamDriftError
 from verl_sat.upstream.examples import SCRIPTS
@@ -167,6 +169,25 @@ def test_example_overrides_are_keys_of_the_patched_config(series, tmp_path):
     run = _patched_python(tree, tmp_path, "-c", code)
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(run.stdout.splitlines()) == len(SCRIPTS)
+
+
+@pytest.mark.parametrize("lag", ["1", "8"])
+def test_generated_examples_pass_the_size_checks(series, tmp_path, lag):
+    """Each generated example, run with ``--cfg job`` by verl's own entry point in the patched tree (no verl-sat),
+    composes a config whose token budgets, parallel sizes and batch split pass verl-sat's size checks."""
+    _, _, tree = series
+    (tmp_path / "block").mkdir()
+    (tmp_path / "block" / "sitecustomize.py").write_text(BLOCK_VERL_SAT)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (tmp_path / "bin" / "python3").chmod(0o755)
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{tmp_path / 'block'}", "VERL_USE_EXTERNAL_PLUGINS": "none",
+           "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "LAG": lag}  # fmt: skip
+    for target, _ in SCRIPTS.values():
+        run = subprocess.run(["bash", str(tree / target), "--cfg", "job"], cwd=tree, env=env, capture_output=True,
+                             text=True, timeout=600)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        check_sizes(OmegaConf.create(run.stdout))
 
 
 def test_patched_python_is_formatted_and_lint_clean(series):

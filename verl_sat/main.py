@@ -24,7 +24,7 @@ from importlib.util import find_spec
 
 from omegaconf import DictConfig
 
-from verl_sat.preflight import PreflightError, check_config, check_trainer_device
+from verl_sat.preflight import PreflightError, check_config, check_sizes, check_trainer_device
 
 RECIPES_SEARCHPATH = "pkg://verl_sat.recipes"
 # verl's PPO entry point and its @hydra.main(config_path="config", config_name="ppo_trainer")
@@ -109,6 +109,7 @@ def main() -> None:
             for warning in check_config(config):
                 print(f"verl-sat: warning: {warning}", file=sys.stderr)
             check_trainer_device(config)
+            check_sizes(config)
         except (PreflightError, HydraException) as err:  # Hydra's message lists e.g. the valid recipe names
             sys.exit(f"verl-sat: {err}")
     sys.argv = [sys.argv[0], *args]

@@ -129,6 +129,107 @@ def check_trainer_device(config: DictConfig) -> None:
         )
 
 
+def check_sizes(config: DictConfig) -> None:
+    """For verl's trainer (``python -m verl_sat.main``): the sizes verl asserts only once its workers run, checked
+    before Ray starts, each failure naming the keys and the numbers.
+
+    - Every dynamic-batch token budget (actor update, rollout-side and reference log-probs), times its sequence
+      parallel size, holds the longest sequence, ``data.max_prompt_length + data.max_response_length`` (verl asserts
+      it per micro-batch).
+    - Megatron: TP x PP x CP and ETP x EP x PP divide the trainer's GPUs (ETP defaults to TP, as in Megatron-core).
+    - The rollout's TP x DP x PP divides the rollout GPUs (its own pool when ``rollout.nnodes > 0``, else the
+      trainer's).
+    - ``actor.ppo_mini_batch_size`` divides ``data.train_batch_size``, and a mini-batch's samples
+      (``ppo_mini_batch_size x rollout.n``) divide over the data-parallel ranks.
+    """
+    actor, rollout, ref = (config.actor_rollout_ref[role] for role in ("actor", "rollout", "ref"))
+    trainer_gpus = config.trainer.nnodes * config.trainer.n_gpus_per_node
+    _check_token_budgets(config)
+    data_parallel = trainer_gpus // _sequence_parallel(actor)
+    if actor.strategy == "megatron":
+        data_parallel = trainer_gpus // _check_megatron_sizes(actor.megatron, trainer_gpus)
+    separate = rollout.get("nnodes", 0) > 0
+    rollout_gpus = rollout.nnodes * rollout.n_gpus_per_node if separate else trainer_gpus
+    sizes = [rollout.get(f"{name}_parallel_size") or 1 for name in ("tensor_model", "data", "pipeline_model")]
+    if rollout_gpus % math.prod(sizes):
+        pool = "actor_rollout_ref.rollout.nnodes x n_gpus_per_node"
+        if not separate:
+            pool = "trainer.nnodes x trainer.n_gpus_per_node, shared with training"
+        raise PreflightError(
+            "actor_rollout_ref.rollout.{tensor_model,data,pipeline_model}_parallel_size = "
+            f"{' x '.join(map(str, sizes))} does not divide the {rollout_gpus} rollout GPUs ({pool})"
+        )
+    batch, mini = config.data.train_batch_size, actor.ppo_mini_batch_size
+    if batch % mini:
+        raise PreflightError(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={mini} does not divide data.train_batch_size={batch}: "
+            "each trainer step trains whole mini-batches (the +lag presets derive the mini-batch from the batch)"
+        )
+    samples = mini * rollout.n
+    if samples % max(data_parallel, 1):
+        raise PreflightError(
+            f"a mini-batch's {samples} samples (actor_rollout_ref.actor.ppo_mini_batch_size x "
+            f"actor_rollout_ref.rollout.n = {mini} x {rollout.n}) do not divide over the trainer's {data_parallel} "
+            "data-parallel ranks, as verl's workers assert"
+        )
+
+
+def _check_token_budgets(config: DictConfig) -> None:
+    actor = config.actor_rollout_ref.actor
+    longest = config.data.max_prompt_length + config.data.max_response_length
+    uses_ref = actor.get("use_kl_loss", False) or config.algorithm.get("use_kl_in_reward", False)
+    # (role, its budget key, its dynamic-batching switch, the engine that runs it, in use)
+    budgets = [
+        ("actor", "ppo_max_token_len_per_gpu", "use_dynamic_bsz", actor, True),
+        ("rollout", "log_prob_max_token_len_per_gpu", "log_prob_use_dynamic_bsz", actor, True),
+        ("ref", "log_prob_max_token_len_per_gpu", "log_prob_use_dynamic_bsz", config.actor_rollout_ref.ref, uses_ref),
+    ]
+    for role, name, dynamic, engine, used in budgets:
+        section = config.actor_rollout_ref[role]
+        if not (used and section.get(dynamic, False)):
+            continue
+        key, budget, parallel = f"actor_rollout_ref.{role}.{name}", section.get(name), _sequence_parallel(engine)
+        if budget * parallel < longest:
+            raise PreflightError(
+                f"{key}={budget} (x {parallel}-way sequence parallelism) is below the longest sequence, "
+                f"data.max_prompt_length + data.max_response_length = {config.data.max_prompt_length} + "
+                f"{config.data.max_response_length} = {longest}: verl's dynamic batching asserts that a micro-batch "
+                f"holds it. Set {key} >= {-(-longest // parallel)}"
+            )
+
+
+def _check_megatron_sizes(parallel: DictConfig, trainer_gpus: int) -> int:
+    """Check that Megatron's model-parallel groups tile the trainer's GPUs; return TP x PP x CP."""
+    names = ("tensor_model", "pipeline_model", "context", "expert_model")
+    tp, pp, cp, ep = (parallel.get(f"{name}_parallel_size") or 1 for name in names)
+    etp = parallel.get("expert_tensor_parallel_size") or tp
+    groups = (("{tensor_model,pipeline_model,context}", (tp, pp, cp)),
+              ("{expert_tensor,expert_model,pipeline_model}", (etp, ep, pp)))  # fmt: skip
+    for names, sizes in groups:
+        if trainer_gpus % math.prod(sizes):
+            hint = ""
+            if "expert" in names and parallel.get("expert_tensor_parallel_size") is None:
+                hint = (f"; expert_tensor_parallel_size is unset, so Megatron-core takes it equal to "
+                        f"tensor_model_parallel_size ({tp}): set actor_rollout_ref.actor.megatron."
+                        "expert_tensor_parallel_size (e.g. 1)")  # fmt: skip
+            raise PreflightError(
+                f"actor_rollout_ref.actor.megatron.{names}_parallel_size = {' x '.join(map(str, sizes))} = "
+                f"{math.prod(sizes)} does not divide the trainer's {trainer_gpus} GPUs (trainer.nnodes x "
+                f"trainer.n_gpus_per_node){hint}"
+            )
+    return tp * pp * cp
+
+
+def _sequence_parallel(section: DictConfig) -> int:
+    """The factor verl multiplies a per-GPU token budget by: Ulysses sequence parallelism (FSDP) or Megatron's
+    context parallelism."""
+    if section.get("strategy") == "megatron":
+        return section.megatron.get("context_parallel_size") or 1
+    fsdp = section.get("fsdp_config", {}) or {}
+    sizes = (section.get("ulysses_sequence_parallel_size"), fsdp.get("ulysses_sequence_parallel_size"))
+    return max(size or 1 for size in sizes)
+
+
 def _check_routing_replay(config: DictConfig) -> None:
     """R3 under FSDP is verl-sat's (``r3=fsdp``): a job that asks for it and cannot get it stops here, naming the
     key."""
