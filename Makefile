@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.verl-sat-installed
 WORKDIR ?= verl_sat_work
 
-.PHONY: install doctor demo test e2e bench lint upstream clean
+.PHONY: install doctor demo test e2e bench lint upstream clean gpu-wheels gpu-check
 
 install: $(STAMP)
 
@@ -50,3 +50,18 @@ lint: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# the wheels benchmarks/gpu_check.py needs on a bare GPU machine (CPython 3.12, x86-64), into .whl/ (see its docstring)
+GPU_WHEELS := verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0 omegaconf==2.3.1 codetiming==1.4.0 orjson==3.13.0 \
+	importlib_metadata==10.2.0
+gpu-wheels: install
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
+	# antlr4-python3-runtime 4.9.3 (omegaconf's) is published as a source archive only: build its pure-Python wheel
+	$(PY) -m pip wheel --quiet --no-deps -w .whl antlr4-python3-runtime==4.9.3
+
+# on the GPU machine, from the repository root, after installing .whl/ into /tmp/site (gpu_check.py's docstring)
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=.:/tmp/site $(GPU_PYTHON) benchmarks/gpu_check.py --out $${OUT:-gpu_check_out}

@@ -77,13 +77,13 @@ def _time_once(name, inputs, agg, config, device) -> float:
     return time.perf_counter() - t0
 
 
-def time_pairs(device: str, dtypes: list[str], repeats: int) -> float:
+def time_pairs(device: str, dtypes: list[str], repeats: int, shapes=SHAPES) -> float:
     """Print the timing table; return the worst ratio."""
     print("| loss vs verl | dtype | shape (B x T) | verl median ms | SAT median ms | ratio |")
     print("|---|---|---|---:|---:|---:|")
     worst = 0.0
     for dtype_name in dtypes:
-        for batch, length in SHAPES:
+        for batch, length in shapes:
             inputs = _inputs(batch, length, getattr(torch, dtype_name), device)
             for sat_name, verl_name, agg in PAIRS:
                 configs = {sat_name: _config(sat_name), verl_name: _config(verl_name)}

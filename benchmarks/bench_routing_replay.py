@@ -71,10 +71,16 @@ def _log_probs(model, ids):
     return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
 
-def overhead(repeats: int, device: str) -> None:
+# (layers, experts, hidden, tokens): the CPU bench's small model; gpu_check.py times a mid-size one
+SMALL = (4, 16, 128, 2048)
+
+
+def overhead(repeats: int, device: str, layers: int = 4, experts: int = 16, hidden: int = 128, tokens: int = 2048):
+    """Median forward + backward ms of a Qwen3-MoE (top-2 of ``experts``, built from a config) on ``tokens`` tokens,
+    native routing and replay of its recorded routes, interleaved: ``(native_ms, replay_ms)``."""
     torch.manual_seed(0)
-    model = _qwen3_moe(layers=4, experts=16, hidden=128).to(device)
-    ids = torch.randint(0, 512, (4, 512), device=device)  # 2k tokens
+    model = _qwen3_moe(layers=layers, experts=experts, hidden=hidden).to(device)
+    ids = torch.randint(0, 512, (4, tokens // 4), device=device)
     rr = RoutingReplay.attach(model)
     with torch.no_grad(), rr.record() as rec:
         model(input_ids=ids)
@@ -101,11 +107,18 @@ def overhead(repeats: int, device: str) -> None:
     for _ in range(repeats):
         for replay in (False, True):
             times[replay].append(step(replay))
-    native, replay = (statistics.median(times[k]) * 1e3 for k in (False, True))
+    return tuple(statistics.median(times[k]) * 1e3 for k in (False, True))
+
+
+def print_overhead(device: str, repeats: int, sizes=SMALL) -> float:
+    """Print the overhead table row; return the ratio replay / native."""
+    layers, experts, hidden, tokens = sizes
+    native, replay = overhead(repeats, device, layers, experts, hidden, tokens)
     print(f"device={device} threads={torch.get_num_threads()} repeats={repeats}")
     print("| model | tokens | native ms | replay ms | ratio |\n|---|---:|---:|---:|---:|")
-    print(f"| Qwen3-MoE 4 layers, 16 experts, top-2, hidden 128 | 2048 | {native:.1f} | {replay:.1f} "
-          f"| {replay / native:.3f}x |")  # fmt: skip
+    print(f"| Qwen3-MoE {layers} layers, {experts} experts, top-2, hidden {hidden} | {tokens} | {native:.1f} | "
+          f"{replay:.1f} | {replay / native:.3f}x |")  # fmt: skip
+    return replay / native
 
 
 def gap_table() -> None:
@@ -142,7 +155,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
-    overhead(args.repeats, args.device)
+    print_overhead(args.device, args.repeats)
     gap_table()
 
 

@@ -17,7 +17,11 @@ no operator that synchronises or is non-deterministic on CUDA; an R3 forward + b
 the same model's native one and reads at most once more, whatever the number of MoE layers; and both run under
 ``torch.use_deterministic_algorithms(True)``."""
 
+import json
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,3 +160,21 @@ def test_r3_runs_under_deterministic_algorithms(deterministic):
     with rr.replay(recording.routed_experts):
         _forward_backward(model, ids)
     assert rr.replay_metrics()["actor/r3_route_flip_frac"] == 0.0
+
+
+def test_the_gpu_check_script_runs_here_without_ray(tmp_path):
+    """``benchmarks/gpu_check.py`` (``make gpu-check``) runs every section on this CPU, through the op audit where
+    CUDA's sync debug mode would be, with Ray replaced by its stub, as on a bare GPU machine."""
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--out",
+                           str(tmp_path)], cwd=repo, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    results = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert results["ray_stub"] and results["failures"] == []
+    assert len(results["loss_syncs"]) == 8  # 4 losses and granularities x 2 dtypes
+    assert all(row["loss_syncs"] == 1 and row["verl_syncs"] == 3 for row in results["loss_syncs"])
+    assert [(row["layers"], row["replay_syncs"] - row["native_syncs"]) for row in results["r3_syncs"]] == [
+        (2, 0),
+        (6, 0),
+    ]
+    assert results["r3_time"]["replay_ms"] > 0 and results["worst_loss_ratio"] > 0

@@ -22,11 +22,12 @@ wrapper reads ``mu`` from the micro-batch, ``rollout_log_probs`` in decoupled mo
 (where verl moved the rollout's log-probs there), and adds ``actor/mismatch_abs_log_ratio`` to the loss's metrics.
 
 ``install`` runs when a job's policy-loss config is verl-sat's (``verl_sat.config.SatPolicyLossConfig``, which every
-recipe sets), so a verl job without verl-sat's config keeps verl's ``ppo_loss``. The embedded engine logs the same
-figure under the same name from the same function (``mean_abs_log_ratio``).
+recipe sets) in a process of verl's workers, so a verl job without verl-sat's config keeps verl's ``ppo_loss``. The
+embedded engine logs the same figure under the same name from the same sums (``abs_log_ratio_sum``).
 """
 
 import functools
+import sys
 
 import torch
 
@@ -72,8 +73,8 @@ def with_mismatch_metric(ppo_loss):
 
 def install() -> None:
     """Make verl's actor worker build its loss from ``with_mismatch_metric(ppo_loss)`` in this process (idempotent).
-    The worker binds ``ppo_loss`` when it builds the actor, after it has built the actor's config."""
-    from verl.workers import engine_workers
-
-    if not getattr(engine_workers.ppo_loss, _WRAPPED, False):
+    The worker binds ``ppo_loss`` when it builds the actor, after it has built the actor's config; a process that has
+    not imported verl's worker module (a driver, the embedded engine) binds nothing, and is left as it is."""
+    engine_workers = sys.modules.get("verl.workers.engine_workers")
+    if engine_workers is not None and not getattr(engine_workers.ppo_loss, _WRAPPED, False):
         engine_workers.ppo_loss = with_mismatch_metric(engine_workers.ppo_loss)

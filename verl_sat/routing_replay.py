@@ -150,11 +150,7 @@ class RoutingReplay:
                 "expert: in verl's routed_experts layout an all-zero row means 'no recorded route', which with "
                 "top_k = 1 cannot be told from 'expert 0'"
             )
-        # per decoder layer: the exclusive upper bound of a valid expert id (layers without a router: any)
-        limits = torch.full((num_layers, 1), torch.iinfo(torch.int64).max, dtype=torch.int64)
-        for slot in slots.values():
-            limits[slot.layer] = slot.num_experts
-        self._expert_limits: dict[torch.device | str, torch.Tensor] = {"cpu": limits, torch.device("cpu"): limits}
+        self._expert_limits: dict[torch.device, torch.Tensor] = {}  # per device, see _limits_on
 
     # ---- construction ------------------------------------------------------------------------------------------
     @classmethod
@@ -335,10 +331,7 @@ class RoutingReplay:
                 f"{self.num_layers}, top_k={self.top_k}]"
             )
         flat = routes.reshape(-1, self.num_layers, self.top_k).long()
-        limits = self._expert_limits.get(flat.device)
-        if limits is None:  # once per device
-            limits = self._expert_limits[flat.device] = self._expert_limits["cpu"].to(flat.device)
-        valid = torch.logical_and(flat >= 0, flat < limits).all()
+        valid = torch.logical_and(flat >= 0, flat < self._limits_on(flat.device)).all()
         message = (f"routed_experts hold an expert id outside [0, num_experts) of its MoE layer (experts per layer: "
                    f"{self._experts_by_layer()})")  # fmt: skip
         try:
@@ -346,6 +339,16 @@ class RoutingReplay:
         except RuntimeError as err:  # on the CPU it raises at once
             raise RoutingReplayError(message) from err
         return flat
+
+    def _limits_on(self, device: torch.device) -> torch.Tensor:
+        """int64 ``[num_layers, 1]`` on ``device``: the exclusive upper bound of a valid expert id per decoder layer
+        (layers without a router: any). Built there once, by fills: a copy from the host would sync on CUDA."""
+        if device not in self._expert_limits:
+            limits = torch.full((self.num_layers, 1), torch.iinfo(torch.int64).max, dtype=torch.int64, device=device)
+            for slot in self._slots.values():
+                limits[slot.layer].fill_(slot.num_experts)
+            self._expert_limits[device] = limits
+        return self._expert_limits[device]
 
     def _experts_by_layer(self) -> dict[int, int]:
         return {slot.layer: slot.num_experts for slot in sorted(self._slots.values(), key=lambda s: s.layer)}
