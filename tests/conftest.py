@@ -157,20 +157,6 @@ def sat_actor_config():
     return copy.deepcopy(_default_actor_config())
 
 
-@pytest.fixture(params=["topk", "bitwise"])
-def selection(request, monkeypatch):
-    """Both ways the unit-weight quantile selects its order statistic (``verl_sat.sat_math._largest``), at any size
-    and on the CPU: a sorted ``topk`` (accelerators, small CPU micro-batches) or the bitwise search over an unsorted
-    one (large CPU micro-batches)."""
-    from verl_sat import sat_math
-
-    if request.param == "topk":
-        monkeypatch.setattr(sat_math, "BITWISE_SELECT_DEVICES", ())
-    else:
-        monkeypatch.setattr(sat_math, "BITWISE_SELECT_MIN_NUMEL", 0)
-    return request.param
-
-
 @pytest.fixture(scope="session")
 def tiny_workdir(tmp_path_factory):
     """A workdir prepared at test size (shared: tests write their runs under their own experiment names)."""

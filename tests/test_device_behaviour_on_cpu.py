@@ -81,7 +81,7 @@ def _audited_loss(loss, config, batch, agg, log_prob=None, mask=None):
 
 @pytest.mark.parametrize("loss,granularity,nominal,method", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("size", sorted(BATCHES))
-def test_sat_losses_read_once_and_run_nothing_that_syncs(loss, granularity, nominal, method, size, selection):
+def test_sat_losses_read_once_and_run_nothing_that_syncs(loss, granularity, nominal, method, size):
     """Forward + backward, every aggregation, also with NaN and inf inputs and with nothing active: one read (all
     metrics in one transfer, where verl's own losses read three times) and no syncing, non-deterministic or cuBLAS
     operator."""
@@ -100,7 +100,7 @@ def test_sat_losses_read_once_and_run_nothing_that_syncs(loss, granularity, nomi
 
 
 @pytest.mark.parametrize("loss,granularity,_,method", CASES, ids=CASE_IDS)
-def test_sat_losses_run_under_deterministic_algorithms(loss, granularity, _, method, deterministic, selection):
+def test_sat_losses_run_under_deterministic_algorithms(loss, granularity, _, method, deterministic):
     config = actor_config(*sat_overrides(loss, granularity,
                                          f"+actor_rollout_ref.actor.policy_loss.sat.quantile_method={method}"),
                           loss_mode=loss)  # fmt: skip

@@ -115,7 +115,7 @@ def _lower_quantile(values: torch.Tensor, alpha: float) -> float:
 @pytest.mark.parametrize("numel", [1, 300, 5000, 70000])
 @pytest.mark.parametrize("kind", ["continuous", "ties", "zeros", "spread"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_tail_quantile_matches_references(numel, kind, dtype, selection):
+def test_tail_quantile_matches_references(numel, kind, dtype):
     """``inverted_cdf`` equals the sorted ceil(alpha n)-th value, ``linear`` equals ``torch.quantile``, bit for bit,
     on continuous values, heavy ties, all zeros and values spread over many octaves."""
     gen = torch.Generator().manual_seed(numel)
@@ -152,7 +152,7 @@ def test_weighted_tail_quantile_is_the_length_weighted_one(num_sequences):
     assert tail_quantile(values, torch.zeros_like(mask), 0.9, weight=weight).item() == 0.0  # no weight: 0
 
 
-def test_more_than_2_pow_24_active_tokens(selection):
+def test_more_than_2_pow_24_active_tokens():
     """torch.quantile refuses > 2^24 elements; the SAT quantile and the losses must not."""
     n = 2**24 + 7
     values = torch.randperm(n, generator=torch.Generator().manual_seed(0)).float()  # 0..n-1, exact in float32

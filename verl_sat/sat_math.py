@@ -229,46 +229,10 @@ def quantile_ranks(num: torch.Tensor, alpha: float, method: str) -> tuple[torch.
     raise ValueError(f"unknown SAT quantile method {method!r}; expected one of {list(QUANTILE_METHODS)}")
 
 
-def _top_count(alpha: float, numel: int) -> int:
-    """How many of the largest of ``numel`` entries hold every order statistic ``quantile_ranks`` asks for: above rank
-    ``ceil(alpha n)`` lie ``floor((1 - alpha) n)`` entries, which grows with ``n``; one more for the rank itself and
-    one for ``linear``'s upper neighbour."""
-    return min(numel, numel - math.ceil(_alpha_fraction(alpha) * numel) + 2)
-
-
-# Devices where ``_largest`` searches the bits of an unsorted ``topk``: on a CPU a sorted ``topk`` of 10 % of a
-# micro-batch costs twice as much as the unsorted one, and the search over it a fraction; on CUDA the sorted one is a
-# few kernels where the search would be 31 rounds of them.
-BITWISE_SELECT_DEVICES = ("cpu",)
-BITWISE_SELECT_MIN_NUMEL = 1 << 18  # below, a sorted topk is as fast on a CPU
-_BITS = {torch.float32: (torch.int32, 31), torch.float64: (torch.int64, 63)}  # value bits below the sign bit
-
-
-def _largest(values: torch.Tensor, top: int, positions: torch.Tensor) -> torch.Tensor:
-    """The ``positions``-th largest (0-based, int64 ``[r]``, each ``< top``) of the 1-D non-negative ``values``."""
-    if (
-        values.device.type in BITWISE_SELECT_DEVICES
-        and values.dtype in _BITS
-        and len(values) >= BITWISE_SELECT_MIN_NUMEL
-    ):
-        return _bitwise_select(torch.topk(values, top, sorted=False).values, positions)
-    return torch.topk(values, top).values.gather(0, positions)
-
-
-def _bitwise_select(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The ``positions``-th largest (0-based, int64 ``[r]``, each ``< len(values)``) of the 1-D non-negative float32
-    or float64 ``values``. Such a float orders as its bit pattern read as an integer, so the answer is built bit by
-    bit, most significant first: a bit stays set when at least ``position + 1`` entries are at or above the
-    pattern so far. Static shapes, no host read."""
-    int_dtype, bits = _BITS[values.dtype]
-    patterns = values.view(int_dtype)
-    needed = positions.unsqueeze(-1) + 1  # [r, 1]
-    found = torch.zeros_like(needed, dtype=int_dtype)
-    for bit in range(bits - 1, -1, -1):
-        candidate = found | (1 << bit)
-        at_or_above = torch.count_nonzero(patterns >= candidate, dim=-1).unsqueeze(-1)  # [r, 1]
-        found = torch.where(at_or_above >= needed, candidate, found)
-    return found.squeeze(-1).view(values.dtype)
+# A non-negative float orders as its bit pattern read as a signed integer of its width; integers sort by radix sort,
+# on a CPU ten times faster than floats (1M float32: 6 ms against 98 ms on 2 cores), and select faster too.
+_PATTERNS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
+             torch.float16: torch.int16}  # fmt: skip
 
 
 def tail_quantile(
@@ -298,23 +262,30 @@ def _masked_tail_quantile(values, num, alpha, method, weight) -> torch.Tensor:
     """``tail_quantile`` of ``values`` that are 0 at inactive entries, with ``weight`` 0 there too (or ``None``: unit
     weights); ``num`` counts the active units.
 
-    Unit weights: the inactive zeros sort below (or tie with) every active entry, so rank ``k`` among ``num`` active
-    entries is the ``(num - k)``-th largest entry overall (0-based), found among a ``topk`` of static size
-    (``_largest``). Weights: a sort, the int64 cumulative weight in that order, and a ``searchsorted`` of the rank,
-    which lands on an entry of positive weight. Ties cannot change the value found, no operator reads back to the
-    host, and each is deterministic on CUDA (``topk``, ``sort``, integer ``cumsum``, ``searchsorted``, ``gather``).
+    The values are ordered as their integer bit patterns (the same order for non-negative floats). Unit weights: the
+    inactive zeros sort below (or tie with) every active entry, so rank ``k`` among ``num`` active entries is the
+    ``(num - k)``-th largest entry (0-based), read off a ``topk`` of static size: ``n - ceil(alpha n) =
+    floor((1 - alpha) n)`` entries lie above the rank and that grows with ``n``, plus one for the rank and one for
+    ``linear``'s upper neighbour. Weights: a sort, the int64 cumulative weight in that order, and a ``searchsorted``
+    of the rank, which lands on an entry of positive weight. Ties cannot change the value found, no operator reads
+    back to the host, and each is deterministic on CUDA (``topk``, ``sort``, integer ``cumsum``, ``searchsorted``,
+    ``gather``).
     """
     flat = values.reshape(-1)
-    if flat.numel() == 0:
+    numel = flat.numel()
+    if numel == 0:
         return values.new_zeros(())
     ranks, interpolation = quantile_ranks(num, alpha, method)
+    patterns = flat.view(_PATTERNS[flat.dtype])
     if weight is None:
-        found = _largest(flat, _top_count(alpha, flat.numel()), (num - ranks).clamp_(min=0))
+        top = min(numel, numel - math.ceil(_alpha_fraction(alpha) * numel) + 2)
+        ordered = torch.topk(patterns, top).values
+        position = num - ranks
     else:
-        ordered, order = torch.sort(flat)
-        cumulative = weight.reshape(-1).gather(0, order).cumsum(0)
-        # gather, not ordered[position]: indexing with a tensor of positions would read it back to size the result
-        found = ordered.gather(0, torch.searchsorted(cumulative, ranks).clamp_(max=flat.numel() - 1))
+        ordered, order = torch.sort(patterns)
+        position = torch.searchsorted(weight.reshape(-1).gather(0, order).cumsum(0), ranks)
+    # gather, not ordered[position]: indexing with a tensor of positions would read it back to size the result
+    found = ordered.gather(0, position.clamp_(0, len(ordered) - 1)).view(flat.dtype)
     if method == "inverted_cdf":
         return found.squeeze(0)
     low, high = found.unbind()
