@@ -35,9 +35,10 @@ from verl_sat.routing_replay import RoutingReplay
 
 CASES = [(*case, method) for case in LOSS_CASES for method in QUANTILE_METHODS]
 CASE_IDS = [f"{c[0]}-{c[1]}-{c[3]}" for c in CASES]
-BATCHES = {  # a small micro-batch, and 64 x 1024 tokens (the size where the earlier quantile switched to bincount)
+BATCHES = {  # a small micro-batch, 64 x 1024 tokens (the earlier quantile's bincount size), and one past 2^17 (a sort)
     "small": lambda: make_stale_batch(30),
     "large": lambda: make_stale_batch(30, num_prompts=16, group=4, length=1024),
+    "sorted": lambda: make_stale_batch(30, num_prompts=32, group=4, length=1100),
 }
 
 

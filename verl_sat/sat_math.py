@@ -233,6 +233,9 @@ def quantile_ranks(num: torch.Tensor, alpha: float, method: str) -> tuple[torch.
 # on a CPU ten times faster than floats (1M float32: 6 ms against 98 ms on 2 cores), and select faster too.
 _PATTERNS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
              torch.float16: torch.int16}  # fmt: skip
+# From this many units on, a full sort of the patterns costs less than a topk of the tail (radix sort is linear);
+# below, the topk's small output avoids the allocations of a full sort.
+_SORT_MIN_UNITS = 1 << 17
 
 
 def tail_quantile(
@@ -263,13 +266,13 @@ def _masked_tail_quantile(values, num, alpha, method, weight) -> torch.Tensor:
     weights); ``num`` counts the active units.
 
     The values are ordered as their integer bit patterns (the same order for non-negative floats). Unit weights: the
-    inactive zeros sort below (or tie with) every active entry, so rank ``k`` among ``num`` active entries is the
-    ``(num - k)``-th largest entry (0-based), read off a ``topk`` of static size: ``n - ceil(alpha n) =
-    floor((1 - alpha) n)`` entries lie above the rank and that grows with ``n``, plus one for the rank and one for
-    ``linear``'s upper neighbour. Weights: a sort, the int64 cumulative weight in that order, and a ``searchsorted``
-    of the rank, which lands on an entry of positive weight. Ties cannot change the value found, no operator reads
-    back to the host, and each is deterministic on CUDA (``topk``, ``sort``, integer ``cumsum``, ``searchsorted``,
-    ``gather``).
+    inactive zeros sort below (or tie with) every active entry, so rank ``k`` among ``num`` active entries is position
+    ``k - 1 + (numel - num)`` of an ascending sort; below ``_SORT_MIN_UNITS`` it is read off a ``topk`` of static size
+    instead, the ``(num - k)``-th largest: ``n - ceil(alpha n) = floor((1 - alpha) n)`` entries lie above the rank,
+    which grows with ``n``, plus one for the rank and one for ``linear``'s upper neighbour. Weights: a sort, the int64
+    cumulative weight in that order, and a ``searchsorted`` of the rank, which lands on an entry of positive weight.
+    Ties cannot change the value found, no operator reads back to the host, and each is deterministic on CUDA
+    (``topk``, ``sort``, integer ``cumsum``, ``searchsorted``, ``gather``).
     """
     flat = values.reshape(-1)
     numel = flat.numel()
@@ -277,10 +280,13 @@ def _masked_tail_quantile(values, num, alpha, method, weight) -> torch.Tensor:
         return values.new_zeros(())
     ranks, interpolation = quantile_ranks(num, alpha, method)
     patterns = flat.view(_PATTERNS[flat.dtype])
-    if weight is None:
+    if weight is None and numel < _SORT_MIN_UNITS:
         top = min(numel, numel - math.ceil(_alpha_fraction(alpha) * numel) + 2)
-        ordered = torch.topk(patterns, top).values
+        ordered = torch.topk(patterns, top).values  # descending
         position = num - ranks
+    elif weight is None:
+        ordered = torch.sort(patterns).values  # ascending: a descending integer sort is no radix sort on a CPU
+        position = ranks + (numel - num) - 1
     else:
         ordered, order = torch.sort(patterns)
         position = torch.searchsorted(weight.reshape(-1).gather(0, order).cumsum(0), ranks)
