@@ -18,7 +18,7 @@ then a second invocation that resumes from verl's checkpoint. What it must show 
 
 import math
 
-from verl_sat.cpu.e2e import R3_METRICS, RUNS, SAT_METRICS, STALENESS_METRICS, E2ERun, run_e2e
+from verl_sat.cpu.e2e import MISMATCH_METRICS, R3_METRICS, RUNS, SAT_METRICS, STALENESS_METRICS, E2ERun, run_e2e
 
 
 def test_verls_async_trainer_runs_sat_gspo_with_fsdp_routing_replay_and_resumes(tiny_workdir, tmp_path):
@@ -28,8 +28,9 @@ def test_verls_async_trainer_runs_sat_gspo_with_fsdp_routing_replay_and_resumes(
     steps = result["steps"]
     assert sorted(steps) == [1, 2]  # step 2 comes from the invocation that resumed from global_step_1
     for metrics in steps.values():
-        for key in (*SAT_METRICS, *R3_METRICS, *STALENESS_METRICS, "critic/score/mean"):
+        for key in (*SAT_METRICS, *R3_METRICS, *STALENESS_METRICS, *MISMATCH_METRICS, "critic/score/mean"):
             assert math.isfinite(metrics[key]), key
+        assert metrics["actor/mismatch_abs_log_ratio"] > 0  # bf16 rollout against the fp32 trainer (Eq. 52)
         assert 0.0 <= metrics["actor/sat_gate_rate"] <= 0.1 + 1e-9  # at most 1 - alpha of the units (Eq. 14)
         assert 0.0 <= metrics["actor/r3_route_flip_frac"] <= 1.0 and metrics["actor/r3_layers_replayed"] == 2.0
         assert 0.0 <= metrics["critic/score/mean"] <= 1.0  # verl's reward loop, GSM8K scorer

@@ -34,11 +34,15 @@ from pathlib import Path
 import psutil
 from tqdm import tqdm
 
+from verl_sat.mismatch import MISMATCH_METRIC
+
 SAT_METRICS = ("actor/sat_gate_rate", "actor/sat_q", "actor/sat_intercepted_frac", "actor/sat_abs_log_ratio_mean")
 R3_METRICS = ("actor/r3_route_flip_frac", "actor/r3_layers_replayed")
 STALENESS_METRICS = ("training/off_policy/trajectory_staleness/mean", "training/off_policy/trajectory_staleness/max")
 REWARD_METRICS = ("critic/score/mean",)
-SHOWN = (*SAT_METRICS, *R3_METRICS, *STALENESS_METRICS, *REWARD_METRICS, "actor/ppo_kl", "timing_s/step")
+MISMATCH_METRICS = (MISMATCH_METRIC,)  # every recipe row: the paper's d_pi (Eq. 52)
+SHOWN = (*SAT_METRICS, *R3_METRICS, *STALENESS_METRICS, *REWARD_METRICS, *MISMATCH_METRICS, "actor/ppo_kl",
+         "timing_s/step")  # fmt: skip
 RESUMED = "Resuming from"  # what verl's trainer logs when it loads a checkpoint
 
 
@@ -56,8 +60,9 @@ class E2ERun:
 
 RUNS = (
     E2ERun("sat_gspo_r3-lag1", ("+recipe=sat_gspo_r3", "+lag=lag1", "r3=fsdp"), 2, True,
-           (*SAT_METRICS, *R3_METRICS, *STALENESS_METRICS, *REWARD_METRICS)),
-    E2ERun("grpo-lag8", ("+recipe=grpo", "+lag=lag8"), 2, False, (*STALENESS_METRICS, *REWARD_METRICS)),
+           (*SAT_METRICS, *R3_METRICS, *STALENESS_METRICS, *REWARD_METRICS, *MISMATCH_METRICS)),
+    E2ERun("grpo-lag8", ("+recipe=grpo", "+lag=lag8"), 2, False,
+           (*STALENESS_METRICS, *REWARD_METRICS, *MISMATCH_METRICS)),
 )  # fmt: skip
 
 
