@@ -31,8 +31,12 @@ SUBSTITUTIONS = (
     ("Properties, each a test in `tests/test_sat_properties_on_cpu.py` for", "Properties, each tested for"),
     ("; see [benchmarks.md](benchmarks.md).", "."),
     (" [recipes.md](recipes.md) has all 13 rows.", ""),
+    # the mismatch metric of every row is logged by the plugin's wrapper of ppo_loss, which the series leaves out
+    ("| `actor/mismatch_abs_log_ratio` | the paper's mismatch `d̄π` (Eq. 52): the token-level mean `\\|log π - log μ\\|` "
+     "over the active tokens, `μ` the rollout engine's log-prob; logged for every loss, see below |\n", ""),
 )
-DROPPED_PARAGRAPH_MARKERS = ("verl_sat.main",)  # paragraphs about the plugin's own entry points
+# paragraphs about the plugin's own entry points, its mismatch wrapper and its device checks
+DROPPED_PARAGRAPH_MARKERS = ("verl_sat.main", "verl_sat.mismatch", "verl_sat.op_audit")
 LEFTOVER = re.compile(r"verl-sat|verl_sat|\]\((?!https?://)[^)]*\)")  # plugin names, links to the plugin's pages
 HOW_TO_ENABLE = """## How to enable
 
@@ -47,7 +51,7 @@ python3 -m verl.trainer.main_ppo \\
   actor_rollout_ref.actor.policy_loss.loss_mode=sat_gspo \\
   actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean \\
   actor_rollout_ref.actor.clip_ratio_low=0.2 actor_rollout_ref.actor.clip_ratio_high=0.2 \\
-  actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=32768 \\
+  actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=34816 \\
   {quantile_key}=0.9 \\
   ...
 ```
@@ -94,6 +98,7 @@ def _keys_section() -> str:
         "## Keys (`actor_rollout_ref.actor.policy_loss.sat_*`)\n\n"
         "| key | default | meaning |\n|---|---|---|\n" + rows + "\n"
         "Bad values fail when `PolicyLossConfig` is built, naming the key, the value and the allowed range, e.g.\n"
-        f"`{UPSTREAM_KEY.format('quantile')}=1.5 is invalid: expected a float in the open interval (0, 1)`. The clip\n"
-        "radii are verl's own `clip_ratio_low`, `clip_ratio_high` (falling back to `clip_ratio`) and `clip_ratio_c`.\n"
+        f"`{UPSTREAM_KEY.format('quantile')}=1.5 is invalid: expected a float in the open interval (0, 1) with at most 6\n"
+        "decimal places`. The clip radii are verl's own `clip_ratio_low`, `clip_ratio_high` (falling back to\n"
+        "`clip_ratio`) and `clip_ratio_c`.\n"
     )
