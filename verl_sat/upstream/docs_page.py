@@ -32,8 +32,9 @@ SUBSTITUTIONS = (
     ("; see [benchmarks.md](benchmarks.md).", "."),
     (" [recipes.md](recipes.md) has all 13 rows.", ""),
     # the mismatch metric of every row is logged by the plugin's wrapper of ppo_loss, which the series leaves out
-    ("| `actor/mismatch_abs_log_ratio` | the paper's mismatch `d̄π` (Eq. 52): the token-level mean `\\|log π - log μ\\|` "
-     "over the active tokens, `μ` the rollout engine's log-prob; logged for every loss, see below |\n", ""),
+    ("| `actor/mismatch_abs_log_ratio` | the paper's mismatch `d̄π` (Eq. 52): the token-level mean "
+     "`\\|log π - log μ\\|` over the active tokens, `μ` the rollout engine's log-prob; logged for every loss, see "
+     "below |\n", ""),
 )
 # paragraphs about the plugin's own entry points, its mismatch wrapper and its device checks
 DROPPED_PARAGRAPH_MARKERS = ("verl_sat.main", "verl_sat.mismatch", "verl_sat.op_audit")
@@ -98,7 +99,7 @@ def _keys_section() -> str:
         "## Keys (`actor_rollout_ref.actor.policy_loss.sat_*`)\n\n"
         "| key | default | meaning |\n|---|---|---|\n" + rows + "\n"
         "Bad values fail when `PolicyLossConfig` is built, naming the key, the value and the allowed range, e.g.\n"
-        f"`{UPSTREAM_KEY.format('quantile')}=1.5 is invalid: expected a float in the open interval (0, 1) with at most 6\n"
-        "decimal places`. The clip radii are verl's own `clip_ratio_low`, `clip_ratio_high` (falling back to\n"
+        f"`{UPSTREAM_KEY.format('quantile')}=1.5 is invalid: expected a float in the open interval (0, 1) with at\n"
+        "most 6 decimal places`. The clip radii are verl's own `clip_ratio_low`, `clip_ratio_high` (falling back to\n"
         "`clip_ratio`) and `clip_ratio_c`.\n"
     )
