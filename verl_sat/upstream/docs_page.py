@@ -32,9 +32,12 @@ SUBSTITUTIONS = (
     ("; see [benchmarks.md](benchmarks.md).", "."),
     (" [recipes.md](recipes.md) has all 13 rows.", ""),
     # the mismatch metric of every row is logged by the plugin's wrapper of ppo_loss, which the series leaves out
-    ("| `actor/mismatch_abs_log_ratio` | the paper's mismatch `d̄π` (Eq. 52): the token-level mean "
-     "`\\|log π - log μ\\|` over the active tokens, `μ` the rollout engine's log-prob; logged for every loss, see "
-     "below |\n", ""),
+    (
+        "| `actor/mismatch_abs_log_ratio` | the paper's mismatch `d̄π` (Eq. 52): the token-level mean "
+        "`\\|log π - log μ\\|` over the active tokens, `μ` the rollout engine's log-prob; logged for every loss, see "
+        "below |\n",
+        "",
+    ),
 )
 # paragraphs about the plugin's own entry points, its mismatch wrapper and its device checks
 DROPPED_PARAGRAPH_MARKERS = ("verl_sat.main", "verl_sat.mismatch", "verl_sat.op_audit")
