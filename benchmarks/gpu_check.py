@@ -14,9 +14,10 @@
 """The hot paths on one GPU (``make gpu-check``), in a few minutes on one H200:
 
 1. Host syncs. Each SAT surrogate, verl's ``agg_loss`` and the backward under ``torch.cuda.set_sync_debug_mode
-   ("error")`` (nothing may sync); the registered losses under ``"warn"``, counting syncs: one (the metrics read)
-   against verl's three. An R3 forward + backward under ``"warn"`` against the same model's native one
-   (transformers' own expert dispatch syncs; R3 may add only its one metrics read).
+   ("error")`` and ``torch.use_deterministic_algorithms(True)`` (nothing may sync or raise); the registered losses
+   under ``"warn"``, counting syncs: one (the metrics read) against verl's three. An R3 forward + backward under
+   ``"warn"`` against the same model's native one (transformers' own expert dispatch syncs; R3 may add only its one
+   metrics read).
 2. ``sat`` / ``vanilla`` and ``sat_gspo`` / ``gspo``, forward + backward timed with CUDA events at 8 x 4096,
    32 x 8192 and 64 x 16384 tokens, in bf16 and fp32 (``benchmarks/bench_losses.py``).
 3. R3 replay against native routing, forward + backward, on a mid-size Hugging Face Qwen3-MoE built from a config
@@ -123,16 +124,28 @@ def no_sync(device: str):
             raise RuntimeError(f"host syncs: {found}")
 
 
+@contextmanager
+def deterministic_algorithms():
+    """``torch.use_deterministic_algorithms(True)`` inside the block (an operator without a deterministic CUDA
+    kernel raises)."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 def loss_syncs(device: str, batch: int, length: int) -> list[dict]:
-    """Section 1 for the losses: the surrogates with ``agg_loss`` and backward under "error"; the registered
-    losses' syncs per call against verl's."""
+    """Section 1 for the losses: the surrogates with ``agg_loss`` and backward under "error" and deterministic
+    algorithms; the registered losses' syncs per call against verl's."""
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         old, log_prob, adv, mask = _inputs(batch, length, dtype, device)
         for name, granularity, nominal, agg in CASES:
             gate = SatConfig(granularity=granularity) if name == "sat_gspo" else SatConfig()
             lp = log_prob.detach().requires_grad_()
-            with no_sync(device):
+            with no_sync(device), deterministic_algorithms():
                 if name == "sat":
                     out = sat_token_surrogate(lp, old, adv, mask, 0.2, 0.2, 3.0, gate)
                 else:
@@ -194,7 +207,10 @@ def main() -> None:
 
     print("\n## Host syncs per call (forward + backward)\n")
     results["loss_syncs"] = loss_syncs(args.device, *((8, 512) if args.quick else (32, 8192)))
-    print("| loss | granularity | dtype | surrogate + agg_loss + backward under 'error' | registered loss | verl |")
+    print(
+        "| loss | granularity | dtype | surrogate + agg_loss + backward, 'error' + deterministic | registered loss "
+        "| verl |"
+    )
     print("|---|---|---|---|---:|---:|")
     for row in results["loss_syncs"]:
         print(f"| {row['loss']} | {row['granularity']} | {row['dtype']} | no sync | {row['loss_syncs']} | "

@@ -257,7 +257,8 @@ def test_detach_restores_native_routing():
         (lambda r: r[:, :5], "routes cover 15 tokens but layer 0 routes 27"),
         (
             lambda r: r.masked_fill(r == r.max(), EXPERTS),
-            "outside \\[0, num_experts\\) of its MoE layer \\(experts per layer: \\{0: 8, 2: 8\\}\\)",
+            "routes with an expert id outside \\[0, num_experts\\) of their MoE layer \\(experts per layer: "
+            "\\{0: 8, 2: 8\\}\\); they were routed natively",
         ),
     ],
     ids=["layers", "top_k", "tokens", "expert_id"],
@@ -270,6 +271,7 @@ def test_bad_routes_are_clear_errors(shape_fix, message):
     with pytest.raises(RoutingReplayError, match=message), torch.no_grad():
         with rr.replay(shape_fix(rec.routed_experts)):
             model(input_ids=ids())
+        rr.replay_metrics()  # the one read of a replay: where an out-of-range expert id is refused
 
 
 def test_model_without_routers_is_an_error():
@@ -287,3 +289,45 @@ def test_unsupported_router_family_is_an_error():
     model.model.layers[0].mlp.gate = PhimoeTopKRouter(32, EXPERTS)
     with pytest.raises(RoutingReplayError, match=r"does not support these routers: \['model.layers.0.mlp.gate"):
         RoutingReplay.attach(model)
+
+
+def test_a_moe_block_that_bypasses_its_router_is_an_error():
+    """A kernel patch that replaces a MoE block's forward (here: Qwen3-MoE's layer 2 routes by its own top-k) would
+    train with native routing under R3; the replay says which layer and which block."""
+    model = tiny_moe("qwen3_moe").eval()
+    rr = RoutingReplay.attach(model)
+    with torch.no_grad(), rr.record() as rec:
+        model(input_ids=ids())
+    block = model.model.layers[2].mlp
+    gate = block.gate
+
+    def patched_forward(hidden_states):  # the experts, with a router that is not the hooked module
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        logits = torch.nn.functional.linear(flat, gate.weight)
+        weights, indices = torch.topk(logits.softmax(-1), gate.top_k, dim=-1)
+        return block.experts(flat, indices, weights).reshape(hidden_states.shape)
+
+    block.forward = patched_forward
+    message = (r"in layer 2 the MoE block model.layers.2.mlp \(Qwen3MoeSparseMoeBlock\) did not call its router "
+               r"model.layers.2.mlp.gate \(Qwen3MoeTopKRouter\), so the layer routed natively under R3 \(layers not "
+               r"replayed: \[2\]\)")  # fmt: skip
+    with pytest.raises(RoutingReplayError, match=message), torch.no_grad(), rr.replay(rec.routed_experts):
+        model(input_ids=ids())
+
+
+def test_top_1_routing_is_refused():
+    """With one expert per token, verl's all-zero "no recorded route" row is also "expert 0": refused at attach."""
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_experts_per_tok=1,
+                            intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                            num_key_value_heads=2, head_dim=8, num_experts=EXPERTS)  # fmt: skip
+    with pytest.raises(RoutingReplayError, match="routing replay needs top_k >= 2.*cannot be told from 'expert 0'"):
+        RoutingReplay.attach(Qwen3MoeForCausalLM(config))
+
+
+def test_routes_on_another_device_are_a_clear_error():
+    model = tiny_moe("qwen3_moe").eval()
+    rr = RoutingReplay.attach(model)
+    routes = torch.zeros(3, 9, 3, TOP_K, dtype=torch.int16, device="meta")
+    with pytest.raises(RoutingReplayError, match="routed_experts are on meta but the model is on cpu"):
+        rr.begin_replay(routes)

@@ -137,6 +137,16 @@ def test_tail_quantile_matches_references(numel, kind, dtype):
     assert tail_quantile(values, torch.zeros_like(mask), 0.9).item() == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tail_quantile_in_half_precision(dtype):
+    """Half-precision values order as their int16 bit patterns too."""
+    gen = torch.Generator().manual_seed(5)
+    values = torch.randn(5000, generator=gen).abs().to(dtype)
+    mask = torch.rand(5000, generator=gen) > 0.3
+    for alpha in [0.1, 0.5, 0.9, 0.99]:
+        assert tail_quantile(values, mask, alpha).item() == _lower_quantile(values[mask].float(), alpha), alpha
+
+
 @pytest.mark.parametrize("num_sequences", [40, 3000])
 def test_weighted_tail_quantile_is_the_length_weighted_one(num_sequences):
     """With a weight per entry the quantile is the one of the multiset holding each value ``weight`` times."""

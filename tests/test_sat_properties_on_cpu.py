@@ -342,3 +342,25 @@ def test_gate_rate_bound(loss, granularity, _, method, alpha, kind, sat_actor_co
         )
         assert metrics["actor/sat_gate_rate"] == pytest.approx(gated_units / units)
         assert metrics["actor/sat_units"] == units
+
+
+@pytest.mark.parametrize("loss,granularity,_,method", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_nan_rollout_is_weights_of_dropped_tokens_stay_out(loss, granularity, _, method, agg, sat_actor_config):
+    """7, decoupled mode: verl's IS weights are exp(old - mu) times the mask, so a NaN ``old_log_prob`` gives a NaN
+    weight too; the dropped token's loss stays exactly 0 and the loss is the one without that token."""
+    batch = make_stale_batch(8)
+    object.__setattr__(sat_actor_config.policy_loss, "sat", gate_config(loss, granularity, quantile_method=method))
+    fn = get_policy_loss_fn(loss)
+    nan_at = _nan_positions(batch)
+    old = batch.old_log_prob.masked_fill(nan_at, float("nan"))
+    weights = torch.rand(batch.response_mask.shape, generator=torch.Generator().manual_seed(3), dtype=old.dtype) + 0.5
+    lp_nan, lp_ref = batch.fresh_log_prob(), batch.fresh_log_prob()
+    loss_nan, _ = fn(old, lp_nan, batch.advantages, batch.response_mask, agg, sat_actor_config,
+                     weights.masked_fill(nan_at, float("nan")))  # fmt: skip
+    loss_ref, _ = fn(batch.old_log_prob, lp_ref, batch.advantages, batch.response_mask & ~nan_at, agg,
+                     sat_actor_config, weights)  # fmt: skip
+    loss_nan.backward()
+    loss_ref.backward()
+    assert torch.isfinite(loss_nan) and torch.equal(loss_nan, loss_ref)
+    assert torch.all(torch.isfinite(lp_nan.grad)) and torch.equal(lp_nan.grad, lp_ref.grad)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import LOSS_CASES, actor_config, make_stale_batch, sat_overrides
 from tensordict import TensorDict
-from verl.trainer.ppo.core_algos import get_policy_loss_fn
+from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, get_policy_loss_fn
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric.utils import AggregationType
 from verl.workers import engine_workers
@@ -103,32 +103,51 @@ def test_ppo_loss_worker_path(loss, granularity, _, agg):
         assert f"actor/{key}" in metrics
 
 
+@pytest.fixture
+def restored_verl(monkeypatch):
+    """verl's ``ppo_loss`` binding and policy-loss registry restored after the test (building verl-sat's config in a
+    process that imported verl's workers wraps them)."""
+    monkeypatch.setattr(engine_workers, "ppo_loss", engine_workers.ppo_loss)
+    for name, fn in list(POLICY_LOSS_REGISTRY.items()):
+        monkeypatch.setitem(POLICY_LOSS_REGISTRY, name, fn)
+
+
 @pytest.mark.parametrize("loss_mode", ["vanilla", "gspo", "dppo_tv", "sat", "sat_gspo"])  # every Table 1 loss
-@pytest.mark.parametrize("mode", ["bypass", "decoupled"])
-def test_every_row_logs_the_token_mismatch_against_the_rollout(loss_mode, mode):
-    """Building verl-sat's policy-loss config wraps the ``ppo_loss`` verl's actor worker binds; the wrapper adds
-    ``actor/mismatch_abs_log_ratio``, the token-level mean |log pi - log mu| over the active tokens (Eq. 52), with mu
-    the rollout's log-prob: ``old_log_probs`` in bypass mode, ``rollout_log_probs`` in decoupled mode (TIS rows)."""
-    config = actor_config(loss_mode=loss_mode)  # builds SatPolicyLossConfig: installs the wrapper
-    assert engine_workers.ppo_loss is not ppo_loss and engine_workers.ppo_loss.__wrapped__ is ppo_loss
+@pytest.mark.parametrize("mode", ["bypass", "decoupled", "decoupled-nested"])
+def test_every_row_logs_the_token_mismatch_against_the_rollout(loss_mode, mode, restored_verl):
+    """Building verl-sat's policy-loss config wraps the ``ppo_loss`` verl's actor worker binds and the registered
+    loss; through verl's ``ppo_loss`` the loss adds ``actor/mismatch_abs_log_ratio``, the token-level mean
+    |log pi - log mu| over the active, non-NaN tokens (Eq. 52), with mu the rollout's log-prob: ``old_log_probs`` in
+    bypass mode, ``rollout_log_probs`` in decoupled mode (TIS rows). Called directly, the loss is verl's as it was."""
+    config = actor_config(loss_mode=loss_mode)  # builds SatPolicyLossConfig: installs the wrappers
+    assert engine_workers.ppo_loss.__wrapped__ is ppo_loss
+    assert getattr(get_policy_loss_fn(loss_mode), "_verl_sat_mismatch", False)
     stale = make_stale_batch(22, num_prompts=3, group=2, length=MAX_RESPONSE)
-    mu = stale.old_log_prob
-    extra = {}
-    old = mu
-    if mode == "decoupled":
-        old = mu + 0.05 * torch.randn(mu.shape, generator=torch.Generator().manual_seed(1))
-        extra = {"rollout_log_probs": mu, "rollout_is_weights": torch.exp(old - mu).clamp(max=2.0)}
+    mu = stale.old_log_prob.clone()
+    old, extra = mu, {}
+    if mode != "bypass":
+        mu[1, 0] = float("nan")  # a NaN rollout log-prob (outside the loss in decoupled mode): not counted
+        old = stale.old_log_prob + 0.05 * torch.randn(mu.shape, generator=torch.Generator().manual_seed(1))
+        extra = {"rollout_log_probs": mu, "rollout_is_weights": torch.exp(old - mu).clamp(max=2.0).nan_to_num(1.0)}
     data, response_mask = _engine_batch(old, stale.advantages, **extra)
+    if mode == "decoupled-nested":
+        data["rollout_log_probs"] = torch.nested.as_nested_tensor(
+            [row[mask] for row, mask in zip(mu, response_mask, strict=True)], layout=torch.jagged
+        )
     lp = stale.fresh_log_prob()
     loss, metrics = engine_workers.ppo_loss(config, {"log_probs": _nested_log_probs(lp, response_mask)}, data)
     _, plain_metrics = ppo_loss(config, {"log_probs": _nested_log_probs(lp, response_mask)}, data)
-    expected = (lp.detach() - mu).abs()[response_mask].mean().item()
+    counted = response_mask & ~torch.isnan(mu)
+    expected = (lp.detach() - mu).abs()[counted].mean().item()
     metric = metrics["actor/mismatch_abs_log_ratio"]
     assert metric.aggregation == AggregationType.MEAN
     assert metric.aggregate() == pytest.approx(expected, rel=1e-6)
     assert set(metrics) - set(plain_metrics) == {"actor/mismatch_abs_log_ratio"}  # verl's own metrics untouched
     loss.backward()
     assert torch.all(torch.isfinite(lp.grad))
+    direct = get_policy_loss_fn(loss_mode)(old, stale.fresh_log_prob(), stale.advantages, response_mask,
+                                           "token-mean", config)  # fmt: skip
+    assert "actor/mismatch_abs_log_ratio" not in direct[1]  # outside verl's ppo_loss: no metric, no read
 
 
 def test_pinned_where_verls_actor_worker_binds_ppo_loss():

@@ -59,7 +59,7 @@ class SatPolicyLossConfig(PolicyLossConfig):
         check_sat_params(self.sat, SAT_KEY_FORMAT, self.loss_mode)
         from verl_sat.mismatch import install
 
-        install()
+        install(self.loss_mode)
 
 
 def sat_params_of(policy_loss: Any, loss_mode: str | None = None) -> SatConfig:

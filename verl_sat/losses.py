@@ -120,8 +120,8 @@ def _sat_aggregate(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Aggregate with verl's ``agg_loss``; the metrics (Table 10 of the paper, and ours) from one host read."""
     loss_mat, mask, num_active = out.loss_mat, out.mask, out.num_active
-    if rollout_is_weights is not None:
-        loss_mat = loss_mat * rollout_is_weights
+    if rollout_is_weights is not None:  # a NaN weight of an inactive token stays out of the loss and its gradient
+        loss_mat = loss_mat * torch.where(mask, rollout_is_weights, 0.0)
     pg_loss = agg_loss(loss_mat=loss_mat, loss_mask=mask, loss_agg_mode=loss_agg_mode,
                        **_sat_batch_info(config.global_batch_info, loss_agg_mode, out))  # fmt: skip
 

@@ -30,10 +30,11 @@ with ``top_k = 1`` are refused). Packed input (``[1, nnz]``) takes routes ``[nnz
 Replaying the native routes reproduces the native forward bit for bit: each family's score rule is applied exactly
 as its own router applies it.
 
-Replay reads nothing back to the host per layer: routes are validated once per ``begin_replay`` on the device
-(``torch._assert_async``), flips are counted on the device, and ``replay_metrics`` reads them in one transfer. A
-replayed forward in which an armed MoE layer did not call its hooked router (a kernel patch that replaced the MoE
-block's forward, say) raises at ``end_replay``, naming the layer and the module that bypassed the hook.
+Replay reads nothing back to the host per layer: routes are validated once per ``begin_replay`` on the device (a
+route with an expert id out of range is routed natively and counted), flips are counted on the device, and
+``replay_metrics`` reads both in one transfer and raises for an out-of-range id. A replayed forward in which an armed
+MoE layer did not call its hooked router (a kernel patch that replaced the MoE block's forward, say) raises at
+``end_replay``, naming the layer and the module that bypassed the hook.
 """
 
 import re
@@ -138,6 +139,7 @@ class RoutingReplay:
         self._recording: Recording | None = None
         self._flips: torch.Tensor | int = 0  # on the device: (token, layer) routes whose native top-k set differs
         self._compared: torch.Tensor | int = 0  # on the device: (token, layer) routes replayed
+        self._invalid: torch.Tensor | int = 0  # on the device: (token, layer) routes with an expert id out of range
         self._layers_replayed: set[int] = set()
         self._handles: list = []
         top_ks = {slot.top_k for slot in slots.values()}
@@ -225,8 +227,8 @@ class RoutingReplay:
         self.end_replay()
 
     def begin_replay(self, routed_experts: torch.Tensor) -> None:
-        """Arm replay of ``routed_experts`` for the next forward(s) (``replay()`` without the context). The routes are
-        checked on the device: a bad expert id fails there, asynchronously on CUDA."""
+        """Arm replay of ``routed_experts`` (on the model's device) for the next forward(s) (``replay()`` without the
+        context). Expert ids are checked on the device; ``replay_metrics`` raises for one out of range."""
         targets = self._checked_routes(routed_experts)
         for slot in self._slots.values():
             slot.targets = targets[:, slot.layer]
@@ -259,10 +261,16 @@ class RoutingReplay:
 
     def replay_metrics(self) -> dict[str, float]:
         """Of the last replay: fraction of (token, layer) routes where the trainer's native top-k set differs from
-        the replayed one, and the number of layers replayed. The one host read of a replay."""
-        flips, compared = 0, 0
+        the replayed one, and the number of layers replayed. The one host read of a replay; raises
+        ``RoutingReplayError`` when the replayed routes held an expert id out of range."""
+        flips, compared, invalid = 0, 0, 0
         if torch.is_tensor(self._compared):  # a layer replayed
-            flips, compared = torch.stack([self._flips, self._compared]).tolist()
+            flips, compared, invalid = torch.stack([self._flips, self._compared, self._invalid]).tolist()
+        if invalid:
+            raise RoutingReplayError(
+                f"routed_experts held {invalid} (token, layer) routes with an expert id outside [0, num_experts) of "
+                f"their MoE layer (experts per layer: {self._experts_by_layer()}); they were routed natively"
+            )
         return {
             "actor/r3_route_flip_frac": flips / compared if compared else 0.0,
             "actor/r3_layers_replayed": float(len(self._layers_replayed)),
@@ -330,15 +338,21 @@ class RoutingReplay:
                 f"routed_experts has shape {tuple(routes.shape)}; expected [..., num_hidden_layers="
                 f"{self.num_layers}, top_k={self.top_k}]"
             )
+        device = self._device()
+        if routes.device != device:
+            raise RoutingReplayError(
+                f"routed_experts are on {routes.device} but the model is on {device}: move them with the micro-batch"
+            )
         flat = routes.reshape(-1, self.num_layers, self.top_k).long()
-        valid = torch.logical_and(flat >= 0, flat < self._limits_on(flat.device)).all()
-        message = (f"routed_experts hold an expert id outside [0, num_experts) of its MoE layer (experts per layer: "
-                   f"{self._experts_by_layer()})")  # fmt: skip
-        try:
-            torch._assert_async(valid, message)  # on CUDA a device-side assert, read by nobody
-        except RuntimeError as err:  # on the CPU it raises at once
-            raise RoutingReplayError(message) from err
-        return flat
+        # rows with an expert id outside [0, num_experts) of their layer: routed natively, counted on the device and
+        # refused by replay_metrics (a device-side assert would leave the CUDA context unusable, without the message)
+        valid = torch.logical_and(flat >= 0, flat < self._limits_on(device)).all(dim=-1, keepdim=True)
+        self._invalid = torch.count_nonzero(~valid)
+        return torch.where(valid, flat, 0)
+
+    def _device(self) -> torch.device:
+        module = next(iter(self._slots))
+        return next(module.parameters()).device
 
     def _limits_on(self, device: torch.device) -> torch.Tensor:
         """int64 ``[num_layers, 1]`` on ``device``: the exclusive upper bound of a valid expert id per decoder layer

@@ -192,8 +192,9 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
 
 # ---- the tail quantile (Eq. 14) ------------------------------------------------------------------------------------
 
-MAX_UNITS = 1 << 40  # tokens of one micro-batch, at most (the int64 rank arithmetic below is exact up to it)
-MAX_QUANTILE_DENOMINATOR = 10**6  # the quantile is a decimal of at most 6 places: (10^6 + 10^6) x 2^40 < 2^62
+# the quantile is a decimal of at most 6 places, so the int64 rank arithmetic is exact up to 2^40 units:
+# (10^6 + 10^6) x 2^40 < 2^62
+MAX_QUANTILE_DENOMINATOR = 10**6
 
 
 @functools.cache
@@ -210,7 +211,7 @@ def quantile_ranks(num: torch.Tensor, alpha: float, method: str) -> tuple[torch.
     and ``ceil(p) + 1`` with ``p = alpha * (n - 1)`` in float64, interpolated with weight ``p - floor(p)``.
 
     Args:
-        num: 0-dim int64 count of active units, at most ``MAX_UNITS``; alpha: a decimal of at most 6 places.
+        num: 0-dim int64 count of active units, below 2^40; alpha: a decimal of at most 6 places.
 
     Returns:
         ``ranks``, int64, at least 1: ``[1]`` for ``inverted_cdf``, ``[2]`` for ``linear``; and the interpolation
