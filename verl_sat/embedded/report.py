@@ -262,6 +262,12 @@ def _mean_curve(curves: list[list[list]], column: int) -> tuple[list, list, list
     return steps, [sum(v) / len(v) for v in values], [min(v) for v in values], [max(v) for v in values]
 
 
+def _line_style(row_key: tuple) -> dict:
+    """A SAT row solid and thicker, its base row dashed: the pair shares a hue (tab20's dark and light) and differs at
+    a glance."""
+    return {"linestyle": "-", "linewidth": 2.0} if row_key[0].startswith("sat_") else {"linestyle": "--"}
+
+
 def plot_report(out: Path, records: list[dict], rows: list[dict], pairs: list[dict]) -> None:
     """``curves_<lag>.png`` (accuracy, mean over seeds, min-max band), ``mismatch.png`` (d̄π per row),
     ``attribution.png`` (|Δπ| and |Δimpl| over training) and ``regime_map.png`` (SAT's paired gain and intercepted
@@ -290,7 +296,7 @@ def plot_report(out: Path, records: list[dict], rows: list[dict], pairs: list[di
         for row_key, group in by_label.get(label, {}).items():
             steps, mean, low, high = _mean_curve([r["accuracy"] for r in group], 1)
             ax.plot(steps, [100 * v for v in mean], label=f"{_row_label(row_key, common)} ({len(group)})",
-                    color=colors[row_key])  # fmt: skip
+                    color=colors[row_key], **_line_style(row_key))  # fmt: skip
             ax.fill_between(steps, [100 * v for v in low], [100 * v for v in high], color=colors[row_key], alpha=0.1)
         ax.set(xlabel="optimizer step", ylabel="test accuracy, avg@k (%)",
                title=f"{label}: mean over seeds (count in brackets), band = min-max")  # fmt: skip
@@ -313,17 +319,18 @@ def plot_report(out: Path, records: list[dict], rows: list[dict], pairs: list[di
     ax.grid(alpha=0.3, axis="y")
     save(fig, "mismatch.png")
 
-    fig, axes = plt.subplots(2, len(labels), figsize=(6 * len(labels), 8), squeeze=False, sharey="row")
+    fig, axes = plt.subplots(2, len(labels), figsize=(max(8, 6 * len(labels)), 8), squeeze=False, sharey="row")
     for col, label in enumerate(labels):
         for row_key, group in by_label.get(label, {}).items():
             for ax_row, (column, part) in enumerate(((2, "|Δπ| policy lag"), (3, "|Δimpl| engine"))):
                 steps, mean, _, _ = _mean_curve([r["split"] for r in group], column)
-                axes[ax_row][col].plot(steps, mean, label=_row_label(row_key, common), color=colors[row_key])
+                axes[ax_row][col].plot(steps, mean, label=_row_label(row_key, common), color=colors[row_key],
+                                       **_line_style(row_key))  # fmt: skip
                 axes[ax_row][col].set(title=f"{label}: {part}", xlabel="optimizer step")
         for ax in axes[:, col]:
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7, ncol=2)
-    fig.suptitle("staleness attribution d = Δπ + Δimpl (Eq. 2), mean |.| over the last epoch, mean over seeds")
+    fig.suptitle("staleness attribution d = Δπ + Δimpl (Eq. 2)\nmean |.| over the last epoch, mean over seeds")
     save(fig, "attribution.png")
 
     points = [e for e in pairs if e["q_over_radius"] is not None]

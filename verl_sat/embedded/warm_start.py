@@ -101,7 +101,11 @@ def warm_start(
     result = WarmStart(evaluations=[(0, accuracy)], accuracy=accuracy)
     interval = spec.warm_start_eval_every
     saved = _state(model, optimizer, gen, result)
-    bar = tqdm(total=spec.warm_start_max_steps, desc="warm start", unit="step", disable=not progress)
+    # progress toward the band, not toward warm_start_max_steps (a cap the warm start rarely reaches): accuracy in
+    # points against the band's lower edge, steps in the postfix, no ETA (accuracy does not grow linearly)
+    bar = tqdm(total=round(low * 100), desc=f"warm start: greedy val accuracy to the band [{low:.0%}, {high:.0%}]",
+               bar_format="{desc} {bar} {n}/{total} %{postfix}", disable=not progress)  # fmt: skip
+    bar.n = min(round(accuracy * 100), bar.total)
     while low > result.accuracy:
         if result.steps >= spec.warm_start_max_steps:
             bar.close()
@@ -122,8 +126,8 @@ def warm_start(
             result.steps += 1
         accuracy = greedy_accuracy(model, tokenizer, val_prompts, spec.max_response_length)
         result.evaluations.append((result.steps, accuracy))
-        bar.n = result.steps
-        bar.set_postfix(val_acc=f"{accuracy:.3f}", every=interval)
+        bar.n = min(round(accuracy * 100), bar.total)
+        bar.set_postfix_str(f"step {result.steps} (at most {spec.warm_start_max_steps}), evaluated every {interval}")
         if accuracy > high:  # jumped over the band: back to the last evaluation, evaluate twice as often
             if interval == 1:
                 bar.close()
