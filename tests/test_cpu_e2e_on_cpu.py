@@ -18,7 +18,16 @@ then a second invocation that resumes from verl's checkpoint. What it must show 
 
 import math
 
-from verl_sat.cpu.e2e import MISMATCH_METRICS, R3_METRICS, RUNS, SAT_METRICS, STALENESS_METRICS, E2ERun, run_e2e
+from verl_sat.cpu.e2e import (
+    MISMATCH_METRICS,
+    R3_METRICS,
+    RUNS,
+    SAT_METRICS,
+    STALENESS_METRICS,
+    E2ERun,
+    fresh_folder,
+    run_e2e,
+)
 
 
 def test_verls_async_trainer_runs_sat_gspo_with_fsdp_routing_replay_and_resumes(tiny_workdir, tmp_path):
@@ -38,3 +47,13 @@ def test_verls_async_trainer_runs_sat_gspo_with_fsdp_routing_replay_and_resumes(
     checkpoints = tmp_path / run.name / "checkpoints"
     assert (checkpoints / "global_step_1" / "actor").is_dir() and (checkpoints / "global_step_2" / "actor").is_dir()
     assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def test_a_second_make_e2e_starts_each_run_clean(tmp_path):
+    """A run's folder is emptied before it starts: the previous ``make e2e``'s ``global_step_3`` must not be resumed
+    past the new run's step budget."""
+    stale = tmp_path / "e2e" / "separate_async-sat_gspo_r3-lag1" / "checkpoints" / "global_step_3"
+    stale.mkdir(parents=True)
+    (stale.parent / "latest_checkpointed_iteration.txt").write_text("3")
+    folder = fresh_folder(stale.parent.parent)
+    assert folder.is_dir() and not any(folder.iterdir())

@@ -24,6 +24,7 @@ what the run must show in verl's own metrics and prints it.
 """
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -88,8 +89,7 @@ def run_e2e(workdir: Path, runs: tuple[E2ERun, ...] = RUNS, out: Path | None = N
     out = workdir / "e2e" if out is None else out
     results = {}
     for run in runs:
-        folder = out / run.name
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = fresh_folder(out / run.name)
         checkpoints = folder / "checkpoints"
         phases = [("", 0, run.steps)] + ([("_resume", run.steps, run.steps + 1)] if run.resume else [])
         steps, seconds, peak = {}, 0.0, 0
@@ -109,6 +109,14 @@ def run_e2e(workdir: Path, runs: tuple[E2ERun, ...] = RUNS, out: Path | None = N
             raise E2EFailed(f"{run.name}: verl's metrics lack {missing} (see {folder / 'metrics.jsonl'})")
         results[run.name] = {"steps": steps, "seconds": seconds, "peak_pss_bytes": peak, "folder": str(folder)}
     return results
+
+
+def fresh_folder(folder: Path) -> Path:
+    """``folder``, emptied: a run starts clean, so a second ``make e2e`` on the same workdir finds no checkpoint of the
+    first to resume past its step budget (its resume phase resumes on purpose, from its own first phase)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    return folder
 
 
 def _run(cmd: list[str], log_path: Path, metrics_path: Path, total: int, label: str) -> int:
