@@ -50,7 +50,7 @@ setup(
     packages=[*find_packages(include=["verl_sat", "verl_sat.*"]), "verl_sat.recipes"],
     package_dir={"verl_sat.recipes": "recipes"},
     # upstream/templates: the test files the upstream patch series adds to verl
-    package_data={"verl_sat.recipes": ["*/*.yaml"], "verl_sat.upstream": ["templates/*.py"]},
+    package_data={"verl_sat.recipes": ["*/*.yaml", "*/*/*.yaml"], "verl_sat.upstream": ["templates/*.py"]},
     install_requires=install_requires,
     extras_require=extras_require,
     entry_points={

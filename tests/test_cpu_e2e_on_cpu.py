@@ -18,22 +18,26 @@ then a second invocation that resumes from verl's checkpoint. What it must show 
 
 import math
 
+import pytest
+
 from verl_sat.cpu.e2e import (
     MISMATCH_METRICS,
     R3_METRICS,
     RUNS,
     SAT_METRICS,
     STALENESS_METRICS,
+    E2EFailed,
     E2ERun,
+    check_staleness,
     fresh_folder,
     run_e2e,
 )
 
 
 def test_verls_async_trainer_runs_sat_gspo_with_fsdp_routing_replay_and_resumes(tiny_workdir, tmp_path):
-    base = next(run for run in RUNS if run.name == "sat_gspo_r3-lag1")
-    run = E2ERun(base.name, base.recipe_args, steps=1, resume=True, required=base.required)
-    result = run_e2e(tiny_workdir, (run,), out=tmp_path)[run.name]  # raises, naming the log, on any failure
+    base = next(run for run in RUNS if run.folder_name == "separate_async-sat_gspo_r3-lag1")
+    run = E2ERun(base.trainer, base.name, base.recipe_args, steps=1, resume=True, required=base.required)
+    result = run_e2e(tiny_workdir, (run,), out=tmp_path)[run.folder_name]  # raises, naming the log, on any failure
     steps = result["steps"]
     assert sorted(steps) == [1, 2]  # step 2 comes from the invocation that resumed from global_step_1
     for metrics in steps.values():
@@ -44,7 +48,7 @@ def test_verls_async_trainer_runs_sat_gspo_with_fsdp_routing_replay_and_resumes(
         assert 0.0 <= metrics["actor/r3_route_flip_frac"] <= 1.0 and metrics["actor/r3_layers_replayed"] == 2.0
         assert 0.0 <= metrics["critic/score/mean"] <= 1.0  # verl's reward loop, GSM8K scorer
     assert steps[1]["training/off_policy/trajectory_staleness/max"] == 0  # the first batch: initial weights
-    checkpoints = tmp_path / run.name / "checkpoints"
+    checkpoints = tmp_path / run.folder_name / "checkpoints"
     assert (checkpoints / "global_step_1" / "actor").is_dir() and (checkpoints / "global_step_2" / "actor").is_dir()
     assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
@@ -57,3 +61,24 @@ def test_a_second_make_e2e_starts_each_run_clean(tmp_path):
     (stale.parent / "latest_checkpointed_iteration.txt").write_text("3")
     folder = fresh_folder(stale.parent.parent)
     assert folder.is_dir() and not any(folder.iterdir())
+
+
+def _stale(*pairs):
+    keys = ("training/off_policy/trajectory_staleness/max", "training/off_policy/trajectory_staleness/min")
+    return {step: dict(zip(keys, pair, strict=True)) for step, pair in enumerate(pairs, 1)}
+
+
+def _fully_async(counts, versions):
+    keys = ("fully_async/count/stale_trajectory_processed", "fully_async/count/current_param_version")
+    return {step: dict(zip(keys, pair, strict=True)) for step, pair in enumerate(zip(counts, versions, strict=True), 1)}
+
+
+def test_staleness_checks_accept_the_lag_and_name_a_departure(tmp_path):
+    by_name = {run.folder_name: run for run in RUNS}
+    v1, fully_async = by_name["colocate_async-sat_gspo_r3-lag1"], by_name["fully_async-sat_gspo_r3-lag1"]
+    check_staleness(v1, _stale((0, 0), (1, 1), (1, 1)), tmp_path)
+    with pytest.raises(E2EFailed, match=r"step 3: trajectory staleness \(max, min\) \[2, 1\], expected 1"):
+        check_staleness(v1, _stale((0, 0), (1, 1), (2, 1)), tmp_path)
+    check_staleness(fully_async, _fully_async([0, 16, 32], [0, 1, 2]), tmp_path)  # 4 prompts x 4 responses a step
+    with pytest.raises(E2EFailed, match="expected 0 stale trajectories at the first step, all 16"):
+        check_staleness(fully_async, _fully_async([0, 8, 24], [0, 1, 2]), tmp_path)  # half a batch fresh

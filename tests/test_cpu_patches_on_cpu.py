@@ -15,12 +15,10 @@
 relies on changes, or when the torch behaviour that makes the patch necessary goes away. Then each patch's effect."""
 
 import inspect
-import logging
 
 import pytest
 import torch
 import torch.distributed
-from verl.trainer.ppo.v1 import trainer_separate_async
 from verl.utils import distributed, fsdp_utils
 from verl.workers.engine.fsdp import transformer_impl
 
@@ -47,16 +45,6 @@ def test_pinned_forward_only_offload_policy_pins_memory():
         with pytest.raises(RuntimeError):
             torch.zeros(1).pin_memory()
     assert patches.unpinned_offload_policy(pin_memory=True).pin_memory is False
-
-
-def test_pinned_flush_keyword_to_logging():
-    source = inspect.getsource(trainer_separate_async.PPOTrainerSeparateAsync._setup)
-    assert "flush=True," in source and "hybrid replicas disabled" in source
-    logger = logging.getLogger("verl_sat.test_flush")
-    logger.setLevel(logging.INFO)  # a record is only built (and the keyword refused) when the level is enabled
-    with pytest.raises(TypeError, match="flush"):
-        logger.info("x", flush=True)
-    patches.FlushTolerantLogger(logger, {}).info("x", flush=True)
 
 
 def test_pinned_sharded_save_aliases_on_cpu():

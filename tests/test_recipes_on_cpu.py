@@ -20,16 +20,18 @@ import subprocess
 import sys
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
+import verl
 from omegaconf import OmegaConf
 from verl.trainer.config import AlgoConfig
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import McoreActorConfig, RolloutConfig
 
 from verl_sat.config import FSDPRouterReplayConfig, SatConfig, SatPolicyLossConfig
-from verl_sat.main import RECIPES_SEARCHPATH, compose_from_args, split_args, with_recipes_searchpath
-from verl_sat.preflight import PreflightError, check_config
+from verl_sat.main import RECIPES_SEARCHPATH, compose_from_args, compose_job, split_args, with_recipes_searchpath
+from verl_sat.preflight import PreflightError, check_config, selected_trainer, unread_key_warnings
 from verl_sat.recipe_catalog import PAPER_TABLE_1, describe
 
 ROWS = list(PAPER_TABLE_1)  # the 13 rows of Table 1
@@ -400,6 +402,13 @@ def test_searchpath_goes_before_the_overrides_and_flags_first():
         "+recipe=grpo",
     ]
     assert split_args(["-cp", "x", "a=1"]) == (["-cp", "x"], ["a=1"])
+    # verl's fully-async Megatron config declares file://verl/trainer/config, found only from a verl checkout's root
+    fully_async = ["--config-name", "fully_async_ppo_megatron_trainer", "+recipe=grpo"]
+    assert with_recipes_searchpath(fully_async) == [
+        "--config-name", "fully_async_ppo_megatron_trainer",
+        "hydra.searchpath=[file://verl/trainer/config,pkg://verl.trainer.config,pkg://verl_sat.recipes]",
+        "+recipe=grpo",
+    ]  # fmt: skip
 
 
 # ---- the catalog, the wheel, the examples ---------------------------------------------------------------------------
@@ -477,7 +486,11 @@ def test_wheel_ships_the_recipes(tmp_path):
     for group, entries in shipped.items():
         for entry in entries:
             assert f"verl_sat/recipes/{group}/{entry}.yaml" in names, (group, entry)
-    for template in ("test_sat_policy_loss_on_cpu.py", "test_fsdp_router_replay_on_cpu.py"):  # verl-sat upstream
+    for trainer in ("colocate_async", "fully_async"):  # each trainer's lag presets, one folder down
+        for lag in LAGS:
+            assert f"verl_sat/recipes/lag/{trainer}/{lag}.yaml" in names, (trainer, lag)
+    for template in ("test_sat_policy_loss_on_cpu.py", "test_fsdp_router_replay_on_cpu.py",
+                     "test_trainer_logging_on_cpu.py"):  # fmt: skip  # verl-sat upstream
         assert f"verl_sat/upstream/templates/{template}" in names
 
 
@@ -511,3 +524,120 @@ def test_example_scripts_compose(script, env, loss_mode, sync_step, batch, tmp_p
         assert printed.trainer.v1.separate_async.parameter_sync_step == sync_step
     assert printed.data.train_batch_size == batch
     assert printed.actor_rollout_ref.actor.use_dynamic_bsz
+
+
+# ---- the three asynchronous trainers -------------------------------------------------------------------------------
+
+FULLY_ASYNC_ARGS = (
+    "--config-name", "fully_async_ppo_trainer", "data.train_batch_size=0", "actor_rollout_ref.hybrid_engine=false",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+)  # fmt: skip
+TRAINER_ARGS = {
+    "separate_async": (),
+    "colocate_async": ("trainer.v1.trainer_mode=colocate_async",),
+    "fully_async": FULLY_ASYNC_ARGS,
+}
+# lag -> the trainer's own keys: colocate (num_warmup_batches, optimizer steps per trainer step) and fully-async
+# (trigger_parameter_sync_step, staleness_threshold)
+COLOCATE_LAG = {"lag1": (1, 1), "lag8": (1, 8), "fixed8": (8, 1), "sync": (0, 1)}
+FULLY_ASYNC_LAG = {"lag1": (1, 1), "lag8": (8, 1), "fixed8": (1, 8), "sync": (1, 0)}
+
+
+def compose_for_trainer(trainer: str, lag: str, *overrides: str):
+    """What ``python -m verl_sat.main`` composes for ``+recipe=sat_gspo_r3 r3=fsdp +lag=LAG`` on ``trainer``: the
+    args it passes on and the config."""
+    extra = () if trainer == "fully_async" else ("data.train_batch_size=64",)
+    args = with_recipes_searchpath([*TRAINER_ARGS[trainer], "+recipe=sat_gspo_r3", "r3=fsdp", f"+lag={lag}", *extra,
+                                    *overrides])  # fmt: skip
+    return compose_job(args)
+
+
+@pytest.mark.parametrize("lag", LAGS)
+@pytest.mark.parametrize("trainer", list(TRAINER_ARGS))
+def test_lag_preset_is_written_in_the_selected_trainers_keys(trainer, lag):
+    args, cfg = compose_for_trainer(trainer, lag)
+    v1, defaults = cfg.trainer.v1, OmegaConf.load(Path(verl.__file__).parent / "trainer/config/ppo_trainer.yaml")
+    assert selected_trainer(cfg) == (trainer if lag != "sync" or trainer != "separate_async" else "sync")
+    assert unread_key_warnings(cfg) == []  # nothing set that the trainer does not read
+    assert check_config(cfg) is not None
+    actor = cfg.actor_rollout_ref.actor
+    if trainer == "fully_async":
+        assert f"+lag=fully_async/{lag}" in args
+        assert OmegaConf.to_container(v1) == OmegaConf.to_container(defaults.trainer.v1)  # verl's defaults
+        training = cfg.async_training
+        assert (training.trigger_parameter_sync_step, training.staleness_threshold) == FULLY_ASYNC_LAG[lag]
+        assert training.require_batches == 1 and actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == 16
+    elif trainer == "colocate_async":
+        assert f"+lag=colocate_async/{lag}" in args and v1.trainer_mode == "colocate_async"
+        assert v1.separate_async == defaults.trainer.v1.separate_async
+        ahead, optimizer_steps = COLOCATE_LAG[lag]
+        assert v1.colocate_async.num_warmup_batches == ahead and actor.ppo_epochs == 1
+        assert actor.ppo_mini_batch_size == 64 // optimizer_steps
+        if lag != "sync":  # sample only once nothing is in flight: no trajectory resumed across a broadcast
+            assert (v1.sampler.max_off_policy_strategy, v1.sampler.max_off_policy_threshold) == ("wait", 1)
+    else:
+        assert f"+lag={lag}" in args
+        if lag != "sync":
+            sync_steps, ahead, bound = LAG_KEYS[lag]
+            assert v1.separate_async.parameter_sync_step == sync_steps and v1.colocate_async == (
+                defaults.trainer.v1.colocate_async
+            )
+            assert actor.ppo_mini_batch_size == 64 // sync_steps
+
+
+@pytest.mark.parametrize("trainer", [*TRAINER_ARGS, "fully_async_megatron"])
+def test_entry_point_cfg_job_shows_the_trainers_own_lag_keys(trainer, tmp_path):
+    megatron = trainer == "fully_async_megatron"
+    if megatron:  # verl's own Megatron R3 keys, composed away from a verl checkout (its searchpath is CWD-relative)
+        trainer, args = "fully_async", (*FULLY_ASYNC_ARGS[2:], "--config-name", "fully_async_ppo_megatron_trainer")
+    else:
+        args = (*TRAINER_ARGS[trainer], "r3=fsdp")
+    proc = _entry(*args, "+recipe=sat_gspo_r3", "+lag=lag8", "--cfg", "job", cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = OmegaConf.create(proc.stdout)
+    assert printed.actor_rollout_ref.actor.policy_loss.loss_mode == "sat_gspo"
+    engine = printed.actor_rollout_ref.actor.megatron if megatron else printed.actor_rollout_ref.actor.fsdp_config
+    assert engine.router_replay.mode == "R3" and printed.actor_rollout_ref.rollout.enable_rollout_routing_replay
+    assert "is not read by" not in proc.stderr
+    if trainer == "fully_async":
+        assert (
+            printed.async_training.trigger_parameter_sync_step == 8 and printed.async_training.staleness_threshold == 1
+        )
+        assert printed.trainer.v1.trainer_mode == "sync"  # verl's default, untouched
+        assert "gives the gap 8..15 optimizer steps only while the rollouter keeps its budget queued" in proc.stderr
+    elif trainer == "colocate_async":
+        assert printed.trainer.v1.trainer_mode == "colocate_async"
+        assert printed.trainer.v1.sampler.max_off_policy_strategy == "wait"
+        assert printed.trainer.v1.separate_async.parameter_sync_step == 4  # verl's default, untouched
+    else:
+        assert printed.trainer.v1.trainer_mode == "separate_async"
+        assert printed.trainer.v1.separate_async.parameter_sync_step == 8
+
+
+def test_a_key_the_selected_trainer_does_not_read_is_named():
+    _, cfg = compose_for_trainer("colocate_async", "lag8", "trainer.v1.separate_async.parameter_sync_step=8")
+    [warning] = unread_key_warnings(cfg)
+    assert warning.startswith("trainer.v1.separate_async.parameter_sync_step=8 is not read by the colocate_async")
+    _, cfg = compose_for_trainer("fully_async", "lag8", "trainer.v1.separate_async.num_warmup_batches=2")
+    [warning] = unread_key_warnings(cfg)
+    assert warning.startswith("trainer.v1.separate_async.num_warmup_batches=2 is not read by the fully_async")
+
+
+@pytest.mark.parametrize(("trainer", "lag", "overrides", "message"), [
+    ("separate_async", "lag8", ("trainer.v1.trainer_mode=sync",),
+     "+lag=lag8 is written for the separate_async trainer, but trainer.v1.trainer_mode=sync selects sync"),
+    ("fully_async", "colocate_async/lag8", (),
+     "+lag=colocate_async/lag8 is written for the colocate_async trainer, but --config-name fully_async_ppo_trainer"),
+    ("fully_async", "lag8", ("data.train_batch_size=64",),
+     "data.train_batch_size=64: verl's fully-async trainer asserts 0. It trains actor_rollout_ref.actor."
+     "ppo_mini_batch_size prompts per optimizer step and broadcasts the weights every "
+     "async_training.trigger_parameter_sync_step=8 steps; for 64 prompts per broadcast, as on the v1 trainers, set "
+     "data.train_batch_size=0 actor_rollout_ref.actor.ppo_mini_batch_size=8"),
+    ("fully_async", "lag1", ("actor_rollout_ref.hybrid_engine=true",),
+     "actor_rollout_ref.hybrid_engine=True: verl's fully-async trainer asserts False"),
+])  # fmt: skip
+def test_a_lag_the_trainer_cannot_take_is_refused(trainer, lag, overrides, message):
+    _, cfg = compose_for_trainer(trainer, lag, *overrides)
+    with pytest.raises(PreflightError) as err:
+        check_config(cfg)
+    assert message in str(err.value)

@@ -28,13 +28,14 @@ from omegaconf import OmegaConf
 
 from verl_sat.cli import main as cli_main
 from verl_sat.preflight import check_sizes
-from verl_sat.upstream import PATCHES, R3_TEST, SAT_TEST, write_upstream
+from verl_sat.upstream import LOGGING_TEST, PATCHES, R3_TEST, SAT_TEST, write_upstream
 from verl_sat.upstream.edit import UpstreamDriftError
 from verl_sat.upstream.examples import SCRIPTS
 from verl_sat.upstream.generated_configs import CONFIG_DIR, GENERATED, regenerate
 from verl_sat.upstream.pr_text import UPSTREAM_TESTS
 from verl_sat.upstream.sat_patch import CORE_ALGOS, key_mapping, sat_changes
 from verl_sat.upstream.series import verl_site_root
+from verl_sat.upstream.trainer_fix_patch import SEPARATE_ASYNC
 
 REPO = Path(__file__).resolve().parent.parent
 # in the patched interpreter: verl-sat is not importable (and verl's plugin loader skips external plugins)
@@ -85,12 +86,16 @@ def test_generated_trainer_configs_are_reproduced_from_verls_config_tree(tmp_pat
         assert text == (site / path).read_text(), path
 
 
-def test_series_has_two_patches_and_a_pr_text(series):
+def test_series_has_three_patches_and_a_pr_text(series):
     out, patches, _ = series
-    assert [p.name[:5] for p in patches] == ["0001-", "0002-"]
+    assert [p.name[:5] for p in patches] == ["0001-", "0002-", "0003-"]
     texts = [p.read_text() for p in patches]
-    assert "Subject: [PATCH 1/2] [algo] feat: SAT" in texts[0]
-    assert "Subject: [PATCH 2/2] [fsdp] feat: rollout routing replay (R3)" in texts[1]
+    assert "Subject: [PATCH 1/3] [algo] feat: SAT" in texts[0]
+    assert "Subject: [PATCH 2/3] [fsdp] feat: rollout routing replay (R3)" in texts[1]
+    assert "Subject: [PATCH 3/3] [trainer] fix: separate-async set-up with hybrid_engine=False" in texts[2]
+    for path in (SEPARATE_ASYNC, LOGGING_TEST):
+        assert f"diff --git a/{path} b/{path}" in texts[2], path
+    assert "-                flush=True,\n" in texts[2]
     for path in (
         "verl/trainer/ppo/sat_math.py",
         "verl/trainer/ppo/core_algos.py",
@@ -233,5 +238,15 @@ def test_a_verl_that_moved_the_code_fails_generation_naming_the_file():
         sat_changes(read)
 
 
-def test_series_patches_are_the_two_documented():
-    assert [p.subject.split("]")[0] for p in PATCHES] == ["[algo", "[fsdp"]
+def test_series_patches_are_the_three_documented():
+    assert [p.subject.split("]")[0] for p in PATCHES] == ["[algo", "[fsdp", "[trainer"]
+
+
+def test_logging_fix_test_fails_on_unpatched_verl(tmp_path):
+    """The patch's test is pinned: on verl 0.9.1 as installed it finds the separate-async trainer's call."""
+    test = tmp_path / Path(LOGGING_TEST).name
+    shutil.copy(REPO / "verl_sat/upstream/templates" / test.name, test)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)],
+                         capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
+    assert run.returncode == 1, run.stdout[-2000:]
+    assert "1 failed, 1 passed" in run.stdout and "trainer/ppo/v1/trainer_separate_async.py:181" in run.stdout

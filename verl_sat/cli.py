@@ -237,7 +237,7 @@ def _e2e(args: argparse.Namespace) -> int:
     from verl_sat.cpu.e2e import RUNS, E2EFailed, format_results, run_e2e
     from verl_sat.embedded.prepare import WorkdirError, check_prepared
 
-    names = [run.name for run in RUNS]
+    names = [run.folder_name for run in RUNS]
     chosen = names if args.runs is None else args.runs.split(",")
     unknown = sorted(set(chosen) - set(names))
     if unknown:
@@ -245,7 +245,7 @@ def _e2e(args: argparse.Namespace) -> int:
         return 2
     try:
         check_prepared(args.workdir)
-        results = run_e2e(Path(args.workdir), tuple(run for run in RUNS if run.name in chosen))
+        results = run_e2e(Path(args.workdir), tuple(run for run in RUNS if run.folder_name in chosen))
     except (WorkdirError, E2EFailed) as err:
         print(f"verl-sat e2e: {err}", file=sys.stderr)
         return 1

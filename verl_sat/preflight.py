@@ -15,11 +15,34 @@
 and the recipe's features must be available for the configured engine. Each failure says what to change; settings
 that run but defeat the method come back as warnings, with the keys to change."""
 
+import functools
 import math
 from fractions import Fraction
+from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+V1_TRAINER_MODES = ("sync", "separate_async", "colocate_async")  # verl's trainer.v1.trainer_mode
+FULLY_ASYNC = "fully_async"  # verl.experimental.fully_async_policy (a config with an async_training block)
+# trainers whose lag presets live in recipes/lag/<trainer>/; separate_async's (and v1 sync's) are recipes/lag/*.yaml
+LAG_PRESET_FOLDERS = ("colocate_async", FULLY_ASYNC)
+# (trainer, key) -> why the trainer does not read the key; checked against verl's defaults (ppo_trainer.yaml)
+UNREAD_KEYS = {
+    "sync": {
+        "trainer.v1.separate_async": "the sync trainer has no rollout ahead of training",
+        "trainer.v1.colocate_async": "the sync trainer has no rollout ahead of training",
+        "trainer.v1.sampler.max_off_policy_threshold": "the sync trainer's replay buffer never evicts stale groups",
+        "trainer.v1.sampler.max_off_policy_strategy": "the sync trainer's replay buffer never evicts stale groups",
+    },
+    "separate_async": {"trainer.v1.colocate_async": "it is colocate_async's block"},
+    "colocate_async": {
+        "trainer.v1.separate_async": "it is separate_async's block (colocate_async broadcasts once per trainer step)",
+        "actor_rollout_ref.hybrid_engine": "colocate_async always serves rollout from the training workers",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend": "colocate_async always moves weights with 'naive'",
+    },
+    FULLY_ASYNC: {"trainer.v1": "the fully-async trainer reads async_training.*, not verl's v1 trainer block"},
+    "legacy": {"trainer.v1": "trainer.use_v1=false runs verl's legacy trainer"},
+}
 FSDP_STRATEGIES = ("fsdp", "fsdp2", "fsdp_turbo")
 FSDP_ROUTER_REPLAY_TARGET = "verl_sat.config.FSDPRouterReplayConfig"
 
@@ -36,8 +59,131 @@ def check_config(config: DictConfig) -> list[str]:
     _check_loss_registered(loss_mode)
     policy_loss = _check_policy_loss_config(actor.policy_loss)
     _check_trainer(config, loss_mode)
+    _check_lag_preset(config)
+    _check_fully_async(config)
     _check_routing_replay(config)
-    return micro_batch_warnings(actor, policy_loss)
+    return [*unread_key_warnings(config), *fully_async_lag_warnings(config), *micro_batch_warnings(actor, policy_loss)]
+
+
+def selected_trainer(config: DictConfig) -> str:
+    """The trainer a composed config runs: ``fully_async`` (a config with an ``async_training`` block, started by
+    verl's fully-async entry point), verl's v1 ``trainer.v1.trainer_mode``, or ``legacy`` (``trainer.use_v1=false``)."""
+    if "async_training" in config:
+        return FULLY_ASYNC
+    if not config.trainer.get("use_v1", False):
+        return "legacy"
+    return config.trainer.v1.trainer_mode
+
+
+def lag_preset_for_trainer(choice: str | None, trainer: str) -> str | None:
+    """The ``lag`` group option that expresses ``choice`` (e.g. ``lag8``) in ``trainer``'s own keys."""
+    if choice is None or "/" in choice or trainer not in LAG_PRESET_FOLDERS:
+        return choice
+    return f"{trainer}/{choice}"
+
+
+def preset_trainer(choice: str) -> str:
+    """The trainer a ``lag`` group option is written for."""
+    if "/" in choice:
+        return choice.split("/", 1)[0]
+    return "sync" if choice == "sync" else "separate_async"
+
+
+def _check_lag_preset(config: DictConfig) -> None:
+    choice = config.get("hydra", {}).get("runtime", {}).get("choices", {}).get("lag")
+    if choice is None:
+        return
+    trainer, written_for = selected_trainer(config), preset_trainer(choice)
+    if written_for == trainer:
+        return
+    where = ("--config-name fully_async_ppo_trainer" if trainer == FULLY_ASYNC
+             else f"trainer.use_v1={config.trainer.get('use_v1')}" if trainer == "legacy"
+             else f"trainer.v1.trainer_mode={trainer}")  # fmt: skip
+    name = choice.rsplit("/", 1)[-1]
+    hint = f"use +lag={name} with python -m verl_sat.main, which picks the preset of the selected trainer"
+    if trainer == "legacy" or (trainer == "sync" and name != "sync"):
+        hint = "the lag presets need an asynchronous v1 trainer or the fully-async trainer (sync takes only +lag=sync)"
+    raise PreflightError(
+        f"+lag={choice} is written for the {written_for} trainer, but {where} selects {trainer}: {hint}"
+    )
+
+
+def _check_fully_async(config: DictConfig) -> None:
+    """What verl's fully-async rollouter asserts only once its Ray actor runs."""
+    if selected_trainer(config) != FULLY_ASYNC:
+        return
+    batch = config.data.get("train_batch_size")
+    if batch:
+        sync_every = config.async_training.trigger_parameter_sync_step
+        per_step = f"{batch // sync_every}" if batch % sync_every == 0 else f"{batch}/{sync_every} (not whole)"
+        raise PreflightError(
+            f"data.train_batch_size={batch}: verl's fully-async trainer asserts 0. It trains "
+            "actor_rollout_ref.actor.ppo_mini_batch_size prompts per optimizer step and broadcasts the weights every "
+            f"async_training.trigger_parameter_sync_step={sync_every} steps; for {batch} prompts per broadcast, as "
+            f"on the v1 trainers, set data.train_batch_size=0 actor_rollout_ref.actor.ppo_mini_batch_size={per_step}"
+        )
+    required = {"actor_rollout_ref.hybrid_engine": False, "data.gen_batch_size": 1}
+    for key, wanted in required.items():
+        if OmegaConf.select(config, key) != wanted:
+            raise PreflightError(
+                f"{key}={OmegaConf.select(config, key)!r}: verl's fully-async trainer asserts {wanted} (its rollouter "
+                "runs on its own GPUs, rollout.nnodes x rollout.n_gpus_per_node, one prompt at a time)"
+            )
+    if config.rollout.nnodes * config.rollout.n_gpus_per_node < 1:
+        raise PreflightError("rollout.nnodes x rollout.n_gpus_per_node: verl's fully-async rollouter needs GPUs")
+
+
+@functools.cache
+def _verl_trainer_defaults() -> DictConfig:
+    """verl's own ``ppo_trainer.yaml`` (its ``trainer`` block and ``actor_rollout_ref.hybrid_engine`` are literal
+    there)."""
+    import verl
+
+    return OmegaConf.load(Path(verl.__file__).parent / "trainer" / "config" / "ppo_trainer.yaml")
+
+
+def unread_key_warnings(config: DictConfig) -> list[str]:
+    """One warning per key that differs from verl's default but is not read by the selected trainer."""
+    trainer, defaults = selected_trainer(config), _verl_trainer_defaults()
+    warnings = []
+    for key, why in UNREAD_KEYS.get(trainer, {}).items():
+        value, default = OmegaConf.select(config, key), OmegaConf.select(defaults, key)
+        if key == "actor_rollout_ref.rollout.checkpoint_engine.backend":
+            default = "naive"  # the checkpoint engine's own default (rollout.yaml)
+        for leaf, given, verl_default in _differing_leaves(key, value, default):
+            warnings.append(
+                f"{leaf}={given!r} is not read by the {trainer} trainer ({why}); verl's default is {verl_default!r}. "
+                "Remove the override, or select the trainer that reads it"
+            )
+    return warnings
+
+
+def _differing_leaves(key: str, value, default) -> list[tuple[str, object, object]]:
+    if isinstance(value, DictConfig) and isinstance(default, DictConfig):
+        return [leaf for name in value for leaf in _differing_leaves(f"{key}.{name}", value[name], default.get(name))]
+    if isinstance(value, DictConfig):
+        value = OmegaConf.to_container(value, resolve=True)
+    return [] if value == default else [(key, value, default)]
+
+
+def fully_async_lag_warnings(config: DictConfig) -> list[str]:
+    """verl's fully-async trainer realises a lag preset's gap only while generation outpaces training."""
+    if selected_trainer(config) != FULLY_ASYNC:
+        return []
+    sync_every = config.async_training.trigger_parameter_sync_step
+    ahead = config.async_training.staleness_threshold
+    if ahead == 0:
+        return []
+    low = int(ahead * sync_every)
+    gap = f"{low}" if sync_every == 1 else f"{low}..{low + sync_every - 1}"
+    return [
+        f"async_training.staleness_threshold={ahead} with trigger_parameter_sync_step={sync_every}: verl's fully-async "
+        f"trainer gives the gap {gap} optimizer steps only while the rollouter keeps its "
+        "budget queued (generation faster than training). When generation is slower, the queue runs dry, requests in "
+        "flight are aborted and resumed with the new weights (async_training.partial_rollout) and newer samples can "
+        f"be trained first, so the gap falls below {low}; fully_async/partial/partial_ratio shows how often. The "
+        "exact regime there is +lag=sync (staleness_threshold=0, trigger_parameter_sync_step=1)"
+    ]
 
 
 def micro_batch_warnings(actor: DictConfig, policy_loss) -> list[str]:
@@ -109,12 +255,13 @@ def check_trainer_device(config: DictConfig) -> None:
 
     rollout = config.actor_rollout_ref.rollout
     cpu = config.trainer.get("device") == "cpu"
-    expected = {
-        "actor_rollout_ref.rollout.name": (rollout.get("name"), ROLLOUT_NAME),
-        "actor_rollout_ref.rollout.checkpoint_engine.backend": (rollout.checkpoint_engine.get("backend"),
-                                                                CHECKPOINT_BACKEND),
-        "actor_rollout_ref.hybrid_engine": (config.actor_rollout_ref.get("hybrid_engine", True), False),
-    }  # fmt: skip
+    expected = {"actor_rollout_ref.rollout.name": (rollout.get("name"), ROLLOUT_NAME)}
+    if selected_trainer(config) != "colocate_async":  # colocate_async: rollout inside the training workers, "naive"
+        expected |= {
+            "actor_rollout_ref.rollout.checkpoint_engine.backend": (rollout.checkpoint_engine.get("backend"),
+                                                                    CHECKPOINT_BACKEND),
+            "actor_rollout_ref.hybrid_engine": (config.actor_rollout_ref.get("hybrid_engine", True), False),
+        }  # fmt: skip
     if cpu:
         for key, (value, wanted) in expected.items():
             if value != wanted:

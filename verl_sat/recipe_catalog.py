@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from importlib.resources import files
 
 RECIPE_GROUPS = ("recipe", "lag", "radii", "r3", "cpu")  # listed by `verl-sat recipes`
-GROUP_USAGE = {"recipe": "+recipe=NAME", "lag": "+lag=NAME", "radii": "+radii=NAME", "r3": "r3=NAME (with *_r3)",
+GROUP_USAGE = {"recipe": "+recipe=NAME",
+               "lag": "+lag=NAME (any trainer: python -m verl_sat.main picks lag/<trainer>/NAME; docs/recipes.md)",
+               "radii": "+radii=NAME", "r3": "r3=NAME (with *_r3)",
                "cpu": "+cpu=NAME (with trainer.device=cpu)"}  # fmt: skip
 
 

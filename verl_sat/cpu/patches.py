@@ -21,16 +21,12 @@ run's processes (``verl_sat.cpu.activate``). Each one is pinned by a test on the
 2. verl's FSDP2 engine wraps a forward-only model (the reference policy) in ``CPUOffloadPolicy(pin_memory=True)``;
    pinning host memory needs an accelerator. The engine module's ``CPUOffloadPolicy`` builds the policy without
    pinning (on a CPU the "offload" keeps the parameters where they already are).
-3. verl's separate-async trainer logs ``logger.info(..., flush=True)`` when ``actor_rollout_ref.hybrid_engine=False``
-   (rollout only on its own workers, as a CPU run needs), and Python's ``logging`` refuses the keyword. The module's
-   logger drops it.
-4. Outside bypass mode with ``parameter_sync_step > 1`` the trainer snapshots the policy with
+3. Outside bypass mode with ``parameter_sync_step > 1`` the trainer snapshots the policy with
    ``fsdp2_sharded_save_to_cpu`` (``param.detach().cpu()``), which on a CPU returns the parameter itself: the
    "snapshot" would follow every optimizer step. The snapshot is cloned.
 """
 
 import functools
-import logging
 
 import torch.distributed
 from torch.distributed.fsdp import CPUOffloadPolicy
@@ -57,14 +53,6 @@ def unpinned_offload_policy(*args, pin_memory: bool = True, **kwargs) -> CPUOffl
     return CPUOffloadPolicy(*args, pin_memory=False, **kwargs)
 
 
-class FlushTolerantLogger(logging.LoggerAdapter):
-    """A logger that accepts (and drops) ``print``'s ``flush`` keyword."""
-
-    def process(self, msg, kwargs):
-        kwargs.pop("flush", None)
-        return msg, kwargs
-
-
 def copying_sharded_save(save):
     """``fsdp2_sharded_save_to_cpu`` whose saved shards are copies, never the parameters' own storage."""
 
@@ -79,7 +67,6 @@ def copying_sharded_save(save):
 
 def apply() -> None:
     """Apply the patches (idempotent)."""
-    from verl.trainer.ppo.v1 import trainer_separate_async
     from verl.utils import fsdp_utils
     from verl.workers.engine.fsdp import transformer_impl
 
@@ -87,8 +74,6 @@ def apply() -> None:
         fsdp_utils.fsdp2_sharded_save_to_cpu = copying_sharded_save(fsdp_utils.fsdp2_sharded_save_to_cpu)
 
     transformer_impl.CPUOffloadPolicy = unpinned_offload_policy
-    if not isinstance(trainer_separate_async.logger, FlushTolerantLogger):
-        trainer_separate_async.logger = FlushTolerantLogger(trainer_separate_async.logger, {})
     init = torch.distributed.init_process_group
     if getattr(init, _PATCHED, False):
         return

@@ -18,7 +18,7 @@ make their files; ``pr_text`` writes ``PR.md``)."""
 from pathlib import Path
 
 import verl_sat
-from verl_sat.upstream import r3_patch, sat_patch
+from verl_sat.upstream import r3_patch, sat_patch, trainer_fix_patch
 from verl_sat.upstream.docs_page import SOURCE as DOCS_SOURCE
 from verl_sat.upstream.docs_page import TARGET as DOCS_TARGET
 from verl_sat.upstream.docs_page import docs_page
@@ -30,6 +30,7 @@ from verl_sat.upstream.series import Patch, write_series
 TEMPLATES = Path(__file__).parent / "templates"
 SAT_TEST = "tests/trainer/ppo/test_sat_policy_loss_on_cpu.py"
 R3_TEST = "tests/workers/engine/test_fsdp_router_replay_on_cpu.py"
+LOGGING_TEST = trainer_fix_patch.LOGGING_TEST
 
 PATCHES = [
     Patch(
@@ -62,6 +63,20 @@ PATCHES = [
         changes=lambda read, repo: {
             **r3_patch.r3_changes(read),
             R3_TEST: (TEMPLATES / Path(R3_TEST).name).read_text(),
+        },
+    ),
+    Patch(
+        subject="[trainer] fix: separate-async set-up with hybrid_engine=False raised TypeError (flush= to logging)",
+        body=(
+            "With `actor_rollout_ref.hybrid_engine=False` (rollout only on the standalone replicas) the v1\n"
+            "separate-async trainer's `_setup` called `logger.info(..., flush=True)`; Python's logging refuses the\n"
+            "keyword, so at verl's default INFO level the trainer stopped before its first step. The keyword is\n"
+            "dropped; a CPU test checks that no logging call under verl/trainer takes print's keywords."
+        ),
+        edits=(trainer_fix_patch.SEPARATE_ASYNC,),
+        changes=lambda read, repo: {
+            **trainer_fix_patch.logging_fix_changes(read),
+            LOGGING_TEST: (TEMPLATES / Path(LOGGING_TEST).name).read_text(),
         },
     ),
 ]

@@ -27,6 +27,7 @@ UPSTREAM_TESTS = (
     "tests/workers/engine/test_fsdp_router_replay_on_cpu.py",
     "tests/trainer/ppo/test_core_algos_on_cpu.py",
     "tests/trainer/ppo/test_dynamic_policy_losses_on_cpu.py",
+    "tests/trainer/ppo/test_trainer_logging_on_cpu.py",
 )
 MOTIVATION = """\
 Asynchronous RL trains on tokens sampled by an older policy through a different inference engine (and, for MoE
@@ -46,8 +47,8 @@ def pr_markdown(repo: Path, patches: list[tuple[Path, list[str]]], subjects: lis
     results = json.loads(results_path.read_text())
     lines = [f"# {subjects[0]}", "", "### What does this PR do?", "", MOTIVATION]
     lines += [
-        "The series has two patches against verl 0.9.1; the second applies to 0.9.1 on its own too and can be sent as",
-        "its own PR:",
+        "The series has three patches against verl 0.9.1; the second and the third each apply to 0.9.1 on their own",
+        "too and can be sent as their own PRs:",
         "",
         *(
             f"{i}. `{path.name}`: {subject}"
@@ -98,6 +99,9 @@ def pr_markdown(repo: Path, patches: list[tuple[Path, list[str]]], subjects: lis
         "python3 -m verl.trainer.main_ppo actor_rollout_ref.rollout.enable_rollout_routing_replay=True \\",
         "  actor_rollout_ref.model.use_remove_padding=True \\",
         "  actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3 ...",
+        "# patch 3: the separate-async trainer with rollout only on its standalone replicas starts",
+        "python3 -m verl.trainer.main_ppo trainer.v1.trainer_mode=separate_async \\",
+        "  actor_rollout_ref.hybrid_engine=False ...",
         "```",
         "",
         "`examples/sat_trainer/` has the paper's setup (Megatron with R3, SGLang) and a dense FSDP run;",
@@ -129,9 +133,10 @@ def pr_markdown(repo: Path, patches: list[tuple[Path, list[str]]], subjects: lis
         f"pytest {' '.join(UPSTREAM_TESTS)}",
         "```",
         "",
-        "In a verl checkout: `git am --keep-non-patch 0001-*.patch 0002-*.patch`, then `pre-commit run --all-files`",
-        "(its `autogen-trainer-cfg` hook regenerates `verl/trainer/config/_generated_*.yaml`, which the patches",
-        "already carry) and verl's CPU tests (`pytest tests/**/*_on_cpu.py`).",
+        "In a verl checkout: `git am --keep-non-patch 0001-*.patch 0002-*.patch 0003-*.patch`, then",
+        "`pre-commit run --all-files` (its `autogen-trainer-cfg` hook regenerates",
+        "`verl/trainer/config/_generated_*.yaml`, which the patches already carry) and verl's CPU tests",
+        "(`pytest tests/**/*_on_cpu.py`).",
         "",
         "### Checklist Before Submitting",
         "",

@@ -1,0 +1,74 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""``verl_sat.trainer_fixes``: the verl code each fix works around, pinned (the test fails when verl 0.9.1's code
+changes), the fix's effect, and where it applies: in every process of a run started by ``python -m verl_sat.main``
+(GPU runs too), in no other verl job."""
+
+import inspect
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
+from verl.trainer.ppo.v1 import trainer_separate_async
+
+from verl_sat import trainer_fixes
+from verl_sat.main import worker_env_overrides
+from verl_sat.upstream.trainer_fix_patch import FLUSH_CALL_END
+
+APPLIED_PROBE = (
+    "import verl\n"
+    "from verl.trainer.ppo.v1 import trainer_separate_async as m\n"
+    "from verl_sat.trainer_fixes import FlushTolerantLogger\n"
+    "m.logger.info('probe', flush=True)\n"
+    "print(isinstance(m.logger, FlushTolerantLogger))\n"
+)
+
+
+def test_pinned_flush_keyword_to_logging_at_info_level():
+    source = inspect.getsource(trainer_separate_async.PPOTrainerSeparateAsync._setup)
+    assert FLUSH_CALL_END in source and "if self._enable_hybrid_replicas:" in source
+    assert 'logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))' in inspect.getsource(trainer_separate_async)
+    logger = logging.getLogger("verl_sat.test_flush")
+    logger.setLevel(logging.INFO)  # a record is only built (and the keyword refused) when the level is enabled
+    with pytest.raises(TypeError, match="flush"):
+        logger.info("x", flush=True)
+    trainer_fixes.FlushTolerantLogger(logger, {}).info("x", flush=True)
+
+
+@pytest.mark.parametrize("fixes", [True, False])
+def test_fix_applies_only_in_a_verl_sat_main_process(fixes):
+    env = {k: v for k, v in os.environ.items() if k not in (trainer_fixes.FIXES_ENV, "VERL_LOGGING_LEVEL")}
+    if fixes:
+        env[trainer_fixes.FIXES_ENV] = "1"
+    run = subprocess.run([sys.executable, "-c", APPLIED_PROBE], env=env, capture_output=True, text=True)
+    if fixes:
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout.strip().endswith("True")
+    else:  # verl as it ships: the call raises
+        assert run.returncode == 1 and "TypeError" in run.stderr and "flush" in run.stderr
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_every_ray_worker_of_a_verl_sat_main_run_gets_the_fixes(device):
+    config = OmegaConf.create({"trainer": {"device": device}, "ray_kwargs": {"ray_init": {"runtime_env": {}}}})
+    overrides = worker_env_overrides(config)
+    assert f"+ray_kwargs.ray_init.runtime_env.env_vars.{trainer_fixes.FIXES_ENV}='1'" in overrides
+    assert ("+ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM='cpu'" in overrides) == (device == "cpu")
+    # Ray takes only strings as environment values: the overrides compose to strings
+    parser = OverridesParser.create()
+    assert all(isinstance(parser.parse_override(override).value(), str) for override in overrides)
