@@ -22,7 +22,6 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-V1_TRAINER_MODES = ("sync", "separate_async", "colocate_async")  # verl's trainer.v1.trainer_mode
 FULLY_ASYNC = "fully_async"  # verl.experimental.fully_async_policy (a config with an async_training block)
 # trainers whose lag presets live in recipes/lag/<trainer>/; separate_async's (and v1 sync's) are recipes/lag/*.yaml
 LAG_PRESET_FOLDERS = ("colocate_async", FULLY_ASYNC)
