@@ -148,7 +148,7 @@ def run_e2e(workdir: Path, runs: tuple[E2ERun, ...] = RUNS, out: Path | None = N
         missing = [key for key in run.required if not any(key in metrics for metrics in steps.values())]
         if missing:
             raise E2EFailed(f"{run.folder_name}: verl's metrics lack {missing} (see {folder / 'metrics.jsonl'})")
-        check_staleness(run, steps, folder)
+        check_staleness(run, steps, folder, first_steps={done + 1 for _, done, _ in phases})
         results[run.folder_name] = {"steps": steps, "seconds": seconds, "peak_pss_bytes": peak, "folder": str(folder)}
     return results
 
@@ -226,15 +226,17 @@ def read_metrics(path: Path) -> dict[int, dict]:
     return {int(data[GLOBAL_STEP]): data for data in merged.values() if GLOBAL_STEP in data}
 
 
-def check_staleness(run: E2ERun, steps: dict[int, dict], folder: Path) -> None:
-    """From the second trainer step on, every trained trajectory is ``run.staleness`` weight versions old, except the
-    ones verl resumed across a broadcast (an abort at the weight sync, verl's partial rollout): verl dates those by
-    the newer version, and counts them in ``trajectory_spans`` (2 versions)."""
+def check_staleness(run: E2ERun, steps: dict[int, dict], folder: Path, first_steps: set[int] = frozenset({1})) -> None:
+    """After the first step of each invocation (``first_steps``), every trained trajectory is ``run.staleness`` weight
+    versions old, except the ones verl resumed across a broadcast (an abort at the weight sync, verl's partial
+    rollout): verl dates those by the newer version, and counts them in ``trajectory_spans`` (2 versions). The first
+    step of a resumed invocation is exempt too: verl re-submits the prompts that were in flight at the save, and the
+    restored weights generate them anew."""
     if run.trainer == "fully_async":
         _check_fully_async_staleness(run, steps, folder)
     if run.staleness is None:
         return
-    for step in sorted(steps)[1:]:
+    for step in sorted(set(steps) - first_steps):
         metrics = steps[step]
         newest, mean = metrics.get(STALENESS_METRICS[1]), metrics.get(STALENESS_METRICS[0])
         resumed = metrics.get(SPANS_METRIC, 1.0) - 1.0  # share of trajectories spanning two versions
