@@ -11,10 +11,11 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""R3 on a real engine's routes: vLLM's CPU build samples the prepared MoE (float32 and bfloat16) with log-probs and
+"""R3 on a real engine's routes: vLLM's CPU build samples the prepared MoE in float32 with log-probs and
 ``routed_experts``; verl's ``AgentLoopOutput.as_dict`` puts the routes in the batch; verl's actor worker (FSDP2
-engine) recomputes the log-probs with verl-sat's routing replay, and without it. Plus the install that makes verl
-see vLLM."""
+engine) recomputes the log-probs with verl-sat's routing replay. Plus the install that makes verl see vLLM. The
+bfloat16 engine's mismatch with and without R3 is measured by ``make e2e`` (``python -m verl_sat.cpu.vllm_r3
+measure``), outside the suite's time budget."""
 
 import json
 import subprocess
@@ -35,23 +36,20 @@ def _cli(*args: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tiny_workdir, tmp_path_factory):
-    """vLLM samples in both dtypes, and verl's actor log-probs of them: float32 with R3, bfloat16 with and without."""
+    """vLLM's float32 samples and verl's actor log-probs of them with R3."""
     out, model = tmp_path_factory.mktemp("vllm_r3"), str(tiny_workdir / "model")
-    loaded = {}
-    for dtype in ("float32", "bfloat16"):
-        _cli("sample", "--model", model, "--dtype", dtype, "--out", str(out / f"{dtype}.pt"))
-        loaded[dtype] = torch.load(out / f"{dtype}.pt", weights_only=False)
-    for dtype, r3 in (("float32", "on"), ("bfloat16", "on"), ("bfloat16", "off")):
-        path = out / f"{dtype}-{r3}.pt"
-        _cli("replay", "--model", model, "--samples", str(out / f"{dtype}.pt"), "--r3", r3, "--out", str(path))
-        loaded[dtype, r3] = torch.load(path, weights_only=False)
-    loaded["config"] = json.loads((tiny_workdir / "model" / "config.json").read_text())
-    return loaded
+    _cli("sample", "--model", model, "--dtype", "float32", "--out", str(out / "samples.pt"))
+    _cli("replay", "--model", model, "--samples", str(out / "samples.pt"), "--r3", "on", "--out", str(out / "r3.pt"))
+    return {
+        "samples": torch.load(out / "samples.pt", weights_only=False),
+        "replayed": torch.load(out / "r3.pt", weights_only=False),
+        "config": json.loads((tiny_workdir / "model" / "config.json").read_text()),
+    }
 
 
 def test_vllm_returns_routes_verl_aligns_to_the_sequence(runs):
     config = runs["config"]
-    for s in runs["float32"]:
+    for s in runs["samples"]:
         routes = s["routed_experts"]
         prompt, response = len(s["prompt_ids"]), len(s["response_ids"])
         # vLLM's layout: one row per token it fed to the model (the last sampled token is never fed)
@@ -59,8 +57,8 @@ def test_vllm_returns_routes_verl_aligns_to_the_sequence(runs):
         assert routes.shape == (prompt + response - 1, config["num_hidden_layers"], config["num_experts_per_tok"])
         assert routes.max() < config["num_local_experts"]
         assert s["log_probs"].shape == (response,) and torch.all(s["log_probs"] <= 0)
-    batch = _batch(runs["float32"])
-    for i, s in enumerate(runs["float32"]):
+    batch = _batch(runs["samples"])
+    for i, s in enumerate(runs["samples"]):
         rows = batch["routed_experts"][i]
         assert rows.dtype == torch.int16 and rows.shape[0] == len(s["prompt_ids"]) + len(s["response_ids"])
         assert torch.equal(rows[:-1], torch.from_numpy(s["routed_experts"]).to(torch.int16))
@@ -73,32 +71,14 @@ def test_vllm_returns_routes_verl_aligns_to_the_sequence(runs):
 
 
 def test_r3_in_verls_fsdp_engine_reproduces_vllms_float32_log_probs(runs):
-    vllm_log_probs = [s["log_probs"] for s in runs["float32"]]
-    replayed = runs["float32", "on"]
+    vllm_log_probs = [s["log_probs"] for s in runs["samples"]]
+    replayed = runs["replayed"]
     assert [lp.shape for lp in replayed["log_probs"]] == [lp.shape for lp in vllm_log_probs]
     diff = mismatch(vllm_log_probs, replayed["log_probs"])
     print(f"float32 vLLM vs verl's actor with R3: {diff}")
     assert diff["max"] <= 1e-5
     assert replayed["metrics"]["actor/r3_layers_replayed"] == runs["config"]["num_hidden_layers"]
     assert replayed["metrics"]["actor/r3_route_flip_frac"] == 0.0  # the float32 forward chose vLLM's experts
-
-
-def test_r3_replays_the_bfloat16_engines_routes(runs):
-    """bfloat16 decoding picks some experts the float32 forward would not; R3 makes the forward use vLLM's. On this
-    tiny model those flips barely move a log-prob, so the test asks only that R3 changed the forward and did not widen
-    the mismatch; ``python -m verl_sat.cpu.vllm_r3 measure`` gives the figures on the default model
-    (docs/cpu.md)."""
-    vllm_log_probs = [s["log_probs"] for s in runs["bfloat16"]]
-    with_r3 = mismatch(vllm_log_probs, runs["bfloat16", "on"]["log_probs"])
-    without = mismatch(vllm_log_probs, runs["bfloat16", "off"]["log_probs"])
-    print(f"bfloat16 vLLM vs verl's float32 actor: with R3 {with_r3}, without {without}")
-    assert runs["bfloat16", "on"]["metrics"]["actor/r3_layers_replayed"] == runs["config"]["num_hidden_layers"]
-    assert runs["bfloat16", "off"]["metrics"] == {}
-    flips = runs["bfloat16", "on"]["metrics"]["actor/r3_route_flip_frac"]
-    assert flips > 0  # bfloat16 decoding chose experts the float32 forward would not
-    on, off = torch.cat(runs["bfloat16", "on"]["log_probs"]), torch.cat(runs["bfloat16", "off"]["log_probs"])
-    assert not torch.equal(on, off)
-    assert with_r3["mean"] <= 1.01 * without["mean"]
 
 
 def test_requirements_leave_out_the_torch_family_and_extras():

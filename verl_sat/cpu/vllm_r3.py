@@ -149,7 +149,11 @@ def mismatch(reference: list[torch.Tensor], other: list[torch.Tensor]) -> dict[s
 
 
 def _run(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "verl_sat.cpu.vllm_r3", *args], check=True)
+    """One step in its own process; its log is shown only if it fails."""
+    print(f"vllm_r3 {' '.join(args[:1] + args[3:])}", flush=True)
+    done = subprocess.run([sys.executable, "-m", "verl_sat.cpu.vllm_r3", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}\nvllm_r3 {args[0]} failed (exit {done.returncode})")
 
 
 def measure(model: str, count: int, dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> list[dict]:
@@ -192,9 +196,11 @@ def main(argv: list[str] | None = None) -> None:
         log_probs, metrics = replay(args.model, torch.load(args.samples, weights_only=False), args.r3 == "on")
         torch.save({"log_probs": log_probs, "metrics": metrics}, args.out)
     else:
+        rows = measure(args.model, args.count)
+        print(f"\n{args.count} prompts x 12 sampled tokens per dtype; |vLLM log-prob - verl actor log-prob| per token")
         print("| vLLM dtype | R3 | mean abs log-prob diff | max | r3_route_flip_frac | r3_layers_replayed |")
         print("|---|---|---|---|---|---|")
-        for row in measure(args.model, args.count):
+        for row in rows:
             flip, layers = row.get("actor/r3_route_flip_frac", "-"), row.get("actor/r3_layers_replayed", "-")
             print(f"| {row['dtype']} | {row['r3']} | {row['mean']:.3g} | {row['max']:.3g} | {flip} | {layers} |")
 
