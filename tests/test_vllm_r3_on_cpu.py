@@ -27,7 +27,7 @@ import torch
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 
 from verl_sat.cpu.vllm_dist import CUDA_BUILDS, requirements, write_vllm_record
-from verl_sat.cpu.vllm_r3 import _batch, mismatch
+from verl_sat.cpu.vllm_r3 import mismatch, trainer_batch
 
 
 def _cli(*args: str) -> None:
@@ -57,7 +57,7 @@ def test_vllm_returns_routes_verl_aligns_to_the_sequence(runs):
         assert routes.shape == (prompt + response - 1, config["num_hidden_layers"], config["num_experts_per_tok"])
         assert routes.max() < config["num_local_experts"]
         assert s["log_probs"].shape == (response,) and torch.all(s["log_probs"] <= 0)
-    batch = _batch(runs["samples"])
+    batch = trainer_batch(runs["samples"])
     for i, s in enumerate(runs["samples"]):
         rows = batch["routed_experts"][i]
         assert rows.dtype == torch.int16 and rows.shape[0] == len(s["prompt_ids"]) + len(s["response_ids"])

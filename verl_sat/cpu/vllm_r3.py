@@ -81,7 +81,7 @@ def sample(model: str, dtype: str, max_tokens: int = 12, count: int = 8) -> list
     return samples
 
 
-def _batch(samples: list[dict]):
+def trainer_batch(samples: list[dict]):
     """The trainer's batch for ``samples``: verl's ``AgentLoopOutput.as_dict`` per sample (routes aligned to prompt
     plus response, int16), stacked as the transfer queue returns variable-length fields (jagged nested tensors)."""
     from tensordict import TensorDict
@@ -111,7 +111,6 @@ def replay(model: str, samples: list[dict], r3: bool) -> tuple[list[torch.Tensor
     """verl's actor worker (FSDP2, float32, one rank over gloo) computes the log-prob of every sampled token, with
     verl-sat's routing replay of vLLM's routes (``r3``) or with native routing. Returns the per-sample log-probs
     (float32 [R]) and the R3 metrics verl logged (mean over micro-batches; none without ``r3``)."""
-    from omegaconf import open_dict
     from verl.utils import tensordict_utils as tu
     from verl.workers.engine_workers import ActorRolloutRefWorker
     from verl.workers.utils.padding import response_from_nested
@@ -126,11 +125,9 @@ def replay(model: str, samples: list[dict], r3: bool) -> tuple[list[torch.Tensor
     args += [f"actor_rollout_ref.model.path={model}", *(["r3=fsdp"] if r3 else [])]
     _, config = compose_job(with_recipes_searchpath(args))
     use_cpu()
-    with open_dict(config):
-        config.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz = True
     worker = ActorRolloutRefWorker(config=config.actor_rollout_ref, role="actor")
     worker.init_model()
-    data = _batch(samples)
+    data = trainer_batch(samples)
     tu.assign_non_tensor(data, calculate_entropy=False, compute_loss=False, temperature=1.0)
     output = worker.compute_log_prob(data)
     log_probs = response_from_nested(output["log_probs"], data["response_mask"])
