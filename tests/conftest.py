@@ -18,6 +18,9 @@ No ``tests/__init__.py``: the verl wheel ships a top-level ``tests`` package of 
 
 import copy
 import functools
+import json
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -163,3 +166,14 @@ def tiny_workdir(tmp_path_factory):
     path = tmp_path_factory.mktemp("prepared")
     prepare(path, seed=0, spec=TINY_PREPARE, band=TINY_BAND, progress=False)
     return path
+
+
+@pytest.fixture(scope="session")
+def vllm_float32(tiny_workdir, tmp_path_factory):
+    """One float32 vLLM engine on the tiny model (``python -m verl_sat.cpu.vllm_reload``): the weight-update
+    figures, and the samples it drew before any update (the R3 tests replay them)."""
+    out = tmp_path_factory.mktemp("vllm_float32")
+    cmd = [sys.executable, "-m", "verl_sat.cpu.vllm_reload", "--model", str(tiny_workdir / "model"),
+           "--out", str(out / "reload.json"), "--samples-out", str(out / "samples.pt")]  # fmt: skip
+    subprocess.run(cmd, check=True)
+    return {"figures": json.loads((out / "reload.json").read_text()), "samples": out / "samples.pt"}

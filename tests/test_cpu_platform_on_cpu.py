@@ -13,7 +13,7 @@
 # limitations under the License.
 """verl-sat's CPU pieces are active only in a CPU run (``VERL_PLATFORM=cpu``), register what verl's registries need
 there, never fall back to the CUDA platform when the plugin fails, and the entry point refuses CPU jobs that name a
-GPU rollout."""
+GPU rollout (vLLM's CPU build only with the keys it needs there)."""
 
 import os
 import subprocess
@@ -21,6 +21,8 @@ import sys
 
 import pytest
 
+from verl_sat.cpu import VLLM_EXTENSION
+from verl_sat.cpu.e2e import COLOCATE_ASYNC
 from verl_sat.main import compose_from_args, with_recipes_searchpath
 from verl_sat.preflight import PreflightError, check_config, check_trainer_device
 
@@ -106,6 +108,12 @@ def _cpu_config(*overrides: str):
         (["trainer.device=cpu", "+cpu=e2e", "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"],
          "needs actor_rollout_ref.rollout.checkpoint_engine.backend=ray_object_store"),
         (["actor_rollout_ref.rollout.name=hf_cpu"], "is verl-sat's CPU rollout: set trainer.device=cpu"),
+        (["trainer.device=cpu", "+cpu=e2e", "actor_rollout_ref.rollout.name=vllm"],
+         "needs actor_rollout_ref.rollout.enforce_eager=True, got False: add +cpu=vllm"),
+        (["trainer.device=cpu", "+cpu=vllm", "actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=x.Y"],
+         "needs actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=verl_sat.cpu.vllm_reload"),
+        (["trainer.device=cpu", "+cpu=vllm", *COLOCATE_ASYNC],
+         "colocate_async with actor_rollout_ref.rollout.name=vllm"),
     ],
 )  # fmt: skip
 def test_preflight_refuses_a_cpu_job_it_cannot_run(overrides, message):
@@ -113,6 +121,20 @@ def test_preflight_refuses_a_cpu_job_it_cannot_run(overrides, message):
     check_config(config)  # what verl-sat checks for any job (also the embedded engine's)
     with pytest.raises(PreflightError, match=message.replace(".", r"\.")):
         check_trainer_device(config)  # what verl's trainer needs on a CPU
+
+
+def test_vllm_on_the_cpu_passes_the_preflight_with_its_cpu_build_only(monkeypatch):
+    import importlib.metadata
+
+    config = _cpu_config("trainer.device=cpu", "+cpu=vllm")
+    check_config(config)
+    check_trainer_device(config)
+    rollout = config.actor_rollout_ref.rollout
+    assert rollout.name == "vllm" and rollout.engine_kwargs.vllm.worker_extension_cls == VLLM_EXTENSION
+    assert config.ray_kwargs.ray_init.runtime_env.env_vars.VLLM_CPU_KVCACHE_SPACE == "1"
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.30.0")  # a CUDA build under the name vllm
+    with pytest.raises(PreflightError, match="needs vLLM's CPU build registered as vllm"):
+        check_trainer_device(config)
 
 
 def test_the_cpu_sizes_pass_the_preflight():

@@ -35,13 +35,13 @@ def _cli(*args: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_workdir, tmp_path_factory):
-    """vLLM's float32 samples and verl's actor log-probs of them with R3."""
-    out, model = tmp_path_factory.mktemp("vllm_r3"), str(tiny_workdir / "model")
-    _cli("sample", "--model", model, "--dtype", "float32", "--out", str(out / "samples.pt"))
-    _cli("replay", "--model", model, "--samples", str(out / "samples.pt"), "--r3", "on", "--out", str(out / "r3.pt"))
+def runs(tiny_workdir, vllm_float32, tmp_path_factory):
+    """vLLM's float32 samples (drawn by the weight-update check's engine) and verl's actor log-probs of them with
+    R3."""
+    out, model, samples = tmp_path_factory.mktemp("vllm_r3"), str(tiny_workdir / "model"), vllm_float32["samples"]
+    _cli("replay", "--model", model, "--samples", str(samples), "--r3", "on", "--out", str(out / "r3.pt"))
     return {
-        "samples": torch.load(out / "samples.pt", weights_only=False),
+        "samples": torch.load(samples, weights_only=False),
         "replayed": torch.load(out / "r3.pt", weights_only=False),
         "config": json.loads((tiny_workdir / "model" / "config.json").read_text()),
     }

@@ -21,6 +21,15 @@ import os
 PLATFORM_ENV = "VERL_PLATFORM"
 PLATFORM_NAME = "cpu"
 ROLLOUT_NAME = "hf_cpu"  # actor_rollout_ref.rollout.name
+VLLM_ROLLOUT = "vllm"  # actor_rollout_ref.rollout.name for vLLM's CPU build (+cpu=vllm)
+# what verl's vLLM server needs on a CPU (recipes/cpu/vllm.yaml sets it): eager mode, no sleep mode, and the worker
+# extension whose weight update works on vLLM's CPU build (verl_sat.cpu.vllm_reload)
+VLLM_EXTENSION = "verl_sat.cpu.vllm_reload.VLLMCPUWorkerExtension"
+VLLM_REQUIRED = {
+    "actor_rollout_ref.rollout.enforce_eager": True,
+    "actor_rollout_ref.rollout.enable_sleep_mode": False,
+    "actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls": VLLM_EXTENSION,
+}
 CHECKPOINT_BACKEND = "ray_object_store"  # actor_rollout_ref.rollout.checkpoint_engine.backend
 
 

@@ -14,15 +14,20 @@
 """``verl-sat e2e`` (``make e2e``): verl's real entry point and its asynchronous trainers on this CPU, on a prepared
 embedded workdir, for a few steps each:
 
-1. ``separate_async``: ``+recipe=sat_gspo_r3 +lag=lag1 r3=fsdp`` (SAT-GSPO with routing replay under verl's FSDP
-   engine), then the same command with one more step, which resumes from verl's checkpoint; and ``+recipe=grpo
-   +lag=lag8``, the paper's lag (8 optimizer steps per broadcast);
-2. ``colocate_async``: ``+recipe=sat_gspo_r3 +lag=lag1 r3=fsdp`` with two FSDP ranks over gloo (verl's
-   global-batch loss normalisation over 2 data-parallel ranks, R3 on sharded parameters) and rollout from replicas
-   inside the training workers (verl's hybrid engine);
-3. ``fully_async``: ``--config-name fully_async_ppo_trainer +recipe=sat_gspo_r3 +lag=lag1 r3=fsdp``.
+1. ``separate_async`` with vLLM's CPU build as the rollout (``+cpu=vllm``: verl's ``vLLMReplica``,
+   ``vLLMHttpServer`` and weight transfer): ``+recipe=sat_gspo_r3 +lag=lag1 r3=fsdp`` (SAT-GSPO with routing replay
+   of vLLM's routes under verl's FSDP engine), then the same command with one more step, which resumes from verl's
+   checkpoint;
+2. verl's v1 ``sync`` trainer with vLLM in float32 (``+lag=sync``): on-policy, so after every weight sync vLLM's
+   log-probs must equal the float32 trainer's (``SYNCED_MISMATCH_MAX``);
+3. ``separate_async`` with verl-sat's CPU server (``+cpu=e2e``, ``hf_cpu``): ``+recipe=grpo +lag=lag8``, the paper's
+   lag (8 optimizer steps per broadcast);
+4. ``colocate_async``: ``+recipe=sat_gspo_r3 +lag=lag1 r3=fsdp`` with two FSDP ranks over gloo (verl's
+   global-batch loss normalisation over 2 data-parallel ranks, R3 on sharded parameters) and rollout from ``hf_cpu``
+   replicas inside the training workers (verl's hybrid engine);
+5. ``fully_async`` (``hf_cpu``): ``--config-name fully_async_ppo_trainer +recipe=sat_gspo_r3 +lag=lag1 r3=fsdp``.
 
-Each run is ``python -m verl_sat.main ... trainer.device=cpu +cpu=e2e`` in its own process; its output goes to
+Each run is ``python -m verl_sat.main ... trainer.device=cpu +cpu=PRESET`` in its own process; its output goes to
 ``WORKDIR/e2e/TRAINER-NAME/log*.txt`` and verl's metrics (verl's ``file`` logger) to ``metrics*.jsonl``. The command
 checks what the run must show in verl's own metrics, the realised staleness included, and prints it.
 """
@@ -75,6 +80,8 @@ class E2ERun:
     resume: bool
     required: tuple[str, ...]
     staleness: int | None = 1
+    cpu: str = "e2e"  # the CPU preset (recipes/cpu/): e2e (verl-sat's hf_cpu rollout) or vllm (vLLM's CPU build)
+    mismatch_max: float | None = None  # bound on every step's d_pi (rollout vs trainer log-prob), if checked
 
     @property
     def folder_name(self) -> str:
@@ -90,9 +97,16 @@ COLOCATE_ASYNC = ("trainer.v1.trainer_mode=colocate_async", "actor_rollout_ref.h
 FULLY_ASYNC = ("--config-name", "fully_async_ppo_trainer", "data.train_batch_size=0",
                "actor_rollout_ref.actor.ppo_mini_batch_size=4", "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
                "ray_kwargs.ray_init.num_cpus=32")  # fmt: skip
+# vLLM in float32 against the float32 trainer: after every weight sync vLLM's log-probs must equal the trainer's
+FLOAT32_VLLM = ("actor_rollout_ref.rollout.dtype=float32",)
+# mean |log-prob difference|: measured about 4.5e-7 per step; one weight version of staleness adds about 2.6e-3
+SYNCED_MISMATCH_MAX = 1e-4
 RUNS = (
-    E2ERun("separate_async", "sat_gspo_r3-lag1", ("+recipe=sat_gspo_r3", "+lag=lag1", "r3=fsdp"), 2, True,
-           (*SAT_METRICS, *R3_METRICS, *STALENESS_METRICS, *REWARD_METRICS, *MISMATCH_METRICS)),
+    E2ERun("separate_async", "vllm-sat_gspo_r3-lag1", ("+recipe=sat_gspo_r3", "+lag=lag1", "r3=fsdp"), 2, True,
+           (*SAT_METRICS, *R3_METRICS, *STALENESS_METRICS, *REWARD_METRICS, *MISMATCH_METRICS), cpu="vllm"),
+    E2ERun("sync", "vllm-float32-sat_gspo_r3", ("+recipe=sat_gspo_r3", "+lag=sync", "r3=fsdp", *FLOAT32_VLLM), 3,
+           False, (*SAT_METRICS, *R3_METRICS, *STALENESS_METRICS, *MISMATCH_METRICS), staleness=0, cpu="vllm",
+           mismatch_max=SYNCED_MISMATCH_MAX),
     E2ERun("separate_async", "grpo-lag8", ("+recipe=grpo", "+lag=lag8"), 2, False,
            (*STALENESS_METRICS, *REWARD_METRICS, *MISMATCH_METRICS)),
     E2ERun("colocate_async", "sat_gspo_r3-lag1", ("+recipe=sat_gspo_r3", "+lag=lag1", "r3=fsdp", *COLOCATE_ASYNC),
@@ -111,7 +125,7 @@ class E2EFailed(RuntimeError):
 def command(workdir: Path, run: E2ERun, steps: int, metrics_path: Path, checkpoints: Path) -> list[str]:
     """The ``python -m verl_sat.main`` command line of one invocation."""
     return [
-        sys.executable, "-m", "verl_sat.main", *run.recipe_args, "trainer.device=cpu", "+cpu=e2e",
+        sys.executable, "-m", "verl_sat.main", *run.recipe_args, "trainer.device=cpu", f"+cpu={run.cpu}",
         f"actor_rollout_ref.model.path={workdir / 'model'}",
         f"data.train_files={workdir / 'data' / 'train.parquet'}", f"data.val_files={workdir / 'data' / 'test.parquet'}",
         f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={checkpoints}",
@@ -149,6 +163,7 @@ def run_e2e(workdir: Path, runs: tuple[E2ERun, ...] = RUNS, out: Path | None = N
         if missing:
             raise E2EFailed(f"{run.folder_name}: verl's metrics lack {missing} (see {folder / 'metrics.jsonl'})")
         check_staleness(run, steps, folder, first_steps={done + 1 for _, done, _ in phases})
+        check_mismatch(run, steps, folder)
         results[run.folder_name] = {"steps": steps, "seconds": seconds, "peak_pss_bytes": peak, "folder": str(folder)}
     return results
 
@@ -244,6 +259,18 @@ def check_staleness(run: E2ERun, steps: dict[int, dict], folder: Path, first_ste
             raise E2EFailed(f"{run.folder_name} step {step}: trajectory staleness max {newest}, mean {mean} with a "
                             f"share {resumed:.3g} resumed across a broadcast; expected {run.staleness} weight "
                             f"version(s) for every other trajectory (see {folder / 'metrics.jsonl'})")  # fmt: skip
+
+
+def check_mismatch(run: E2ERun, steps: dict[int, dict], folder: Path) -> None:
+    """With ``run.mismatch_max``: at every step, the rollout's log-probs against the trainer's (the paper's d_pi,
+    Eq. 52) within it. On-policy with a float32 engine this holds only if every weight sync reached the engine."""
+    if run.mismatch_max is None:
+        return
+    over = {step: m.get(MISMATCH_METRIC) for step, m in sorted(steps.items())}
+    if any(value is None or value > run.mismatch_max for value in over.values()):
+        raise E2EFailed(f"{run.folder_name}: {MISMATCH_METRIC} per step {over}, expected at most {run.mismatch_max} "
+                        f"at every step: the rollout engine's weights differ from the trainer's (see "
+                        f"{folder / 'metrics.jsonl'})")  # fmt: skip
 
 
 def _check_fully_async_staleness(run: E2ERun, steps: dict[int, dict], folder: Path) -> None:

@@ -48,23 +48,27 @@ def prompts(vocab_size: int, count: int = 8, generator_seed: int = PROMPT_SEED) 
     return [torch.randint(1, vocab_size, (int(n),), generator=generator).tolist() for n in lengths]
 
 
-def sample(model: str, dtype: str, max_tokens: int = 12, count: int = 8) -> list[dict]:
-    """vLLM's offline engine on ``model`` in ``dtype``: ``count`` prompts, ``max_tokens`` sampled tokens each at
-    temperature 1. Per sample: ``prompt_ids``, ``response_ids``, ``log_probs`` (float64 [R]) and ``routed_experts``
-    (vLLM's array, uint8 [P + R - 1, layers, top_k])."""
+def engine(model: str, dtype: str, count: int = 8, **kwargs):
+    """vLLM's offline engine (CPU build, eager) on ``model`` in ``dtype``, returning routes, for ``count`` sequences
+    at a time; ``kwargs`` go to ``vllm.LLM``."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; vLLM's CPU default takes a share of RAM
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # no core pinning on a shared 2-core machine
-    from transformers import AutoConfig
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
+
+    return LLM(
+        model=model, dtype=dtype, enforce_eager=True, enable_return_routed_experts=True, max_model_len=128,
+        max_num_seqs=count, seed=SAMPLING_SEED, skip_tokenizer_init=True, **kwargs,
+    )  # fmt: skip
+
+
+def generate(llm, batch: list[list[int]], max_tokens: int = 12) -> list[dict]:
+    """``max_tokens`` tokens sampled at temperature 1 (seeded: the same call gives the same draws) for each prompt of
+    ``batch``. Per sample: ``prompt_ids``, ``response_ids``, ``log_probs`` (float64 [R]) and ``routed_experts``
+    (vLLM's array, uint8 [P + R - 1, layers, top_k])."""
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    vocab_size = AutoConfig.from_pretrained(model).vocab_size
-    llm = LLM(
-        model=model, dtype=dtype, enforce_eager=True, enable_return_routed_experts=True, max_model_len=128,
-        max_num_seqs=count, seed=SAMPLING_SEED, skip_tokenizer_init=True,
-    )  # fmt: skip
     params = SamplingParams(temperature=1.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, seed=SAMPLING_SEED)
-    batch = prompts(vocab_size, count)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch], params, use_tqdm=False)
     samples = []
     for ids, output in zip(batch, outputs, strict=True):
@@ -79,6 +83,15 @@ def sample(model: str, dtype: str, max_tokens: int = 12, count: int = 8) -> list
             }
         )
     return samples
+
+
+def sample(model: str, dtype: str, max_tokens: int = 12, count: int = 8) -> list[dict]:
+    """vLLM's offline engine on ``model`` in ``dtype``: ``count`` prompts, ``max_tokens`` sampled tokens each
+    (``generate``)."""
+    from transformers import AutoConfig
+
+    batch = prompts(AutoConfig.from_pretrained(model).vocab_size, count)
+    return generate(engine(model, dtype, count), batch, max_tokens)
 
 
 def trainer_batch(samples: list[dict]):
