@@ -38,15 +38,18 @@ demo: $(STAMP)
 test: install
 	$(PY) -m pytest tests -q
 
-# verl's own asynchronous trainers on this CPU for a few steps (separate_async: SAT-GSPO with FSDP routing replay at
-# paper lag 1 and its resume, GRPO at paper lag 8; colocate_async with two FSDP ranks and its resume; fully-async);
-# checks and prints the SAT, R3, staleness and reward metrics verl logged
+# verl's own trainers on this CPU for a few steps (separate_async with verl's vLLM rollout: SAT-GSPO with FSDP routing
+# replay at paper lag 1 and its resume; the sync trainer with float32 vLLM, checked after every weight sync; GRPO at
+# paper lag 8; colocate_async with two FSDP ranks and its resume; fully-async); checks and prints the SAT, R3,
+# staleness, mismatch and reward metrics verl logged
 e2e: install
 	$(VENV)/bin/verl-sat prepare --workdir $(WORKDIR) --if-needed
 	$(VENV)/bin/verl-sat e2e --workdir $(WORKDIR)
 	# vLLM's CPU build on the prepared MoE, float32 and bfloat16: its log-probs against verl's actor, with and
 	# without routing replay of its routes
 	$(PY) -m verl_sat.cpu.vllm_r3 measure --model $(WORKDIR)/model
+	# abort and resume of in-flight requests on verl's vLLM server, as verl's partial rollout uses them
+	$(PY) -m verl_sat.cpu.vllm_partial --model $(WORKDIR)/model
 
 bench: install
 	$(PY) benchmarks/bench_losses.py

@@ -16,6 +16,7 @@ there, never fall back to the CUDA platform when the plugin fails, and the entry
 GPU rollout (vLLM's CPU build only with the keys it needs there)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -58,6 +59,7 @@ def test_a_cpu_run_registers_the_pieces_and_verls_process_group_starts():
         REGISTRIES
         + """
 import os
+import re
 from verl.utils.device import get_device_id, get_device_name, get_nccl_backend
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.rollout.replica import RolloutReplicaRegistry
@@ -112,15 +114,24 @@ def _cpu_config(*overrides: str):
          "needs actor_rollout_ref.rollout.enforce_eager=True, got False: add +cpu=vllm"),
         (["trainer.device=cpu", "+cpu=vllm", "actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=x.Y"],
          "needs actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=verl_sat.cpu.vllm_reload"),
-        (["trainer.device=cpu", "+cpu=vllm", *COLOCATE_ASYNC],
-         "colocate_async with actor_rollout_ref.rollout.name=vllm"),
     ],
 )  # fmt: skip
 def test_preflight_refuses_a_cpu_job_it_cannot_run(overrides, message):
     config = _cpu_config(*overrides)
     check_config(config)  # what verl-sat checks for any job (also the embedded engine's)
-    with pytest.raises(PreflightError, match=message.replace(".", r"\.")):
+    with pytest.raises(PreflightError, match=re.escape(message)):
         check_trainer_device(config)  # what verl's trainer needs on a CPU
+
+
+def test_preflight_refuses_vllm_in_verls_hybrid_replicas_on_the_cpu():
+    import verl_sat.plugin  # noqa: F401  (the recipes' resolvers)
+
+    args = ["+recipe=sat_gspo_r3", "+lag=colocate_async/lag1", "r3=fsdp", "trainer.device=cpu", "+cpu=vllm",
+            *COLOCATE_ASYNC]  # fmt: skip
+    config = compose_from_args(with_recipes_searchpath(args))
+    check_config(config)
+    with pytest.raises(PreflightError, match="colocate_async with actor_rollout_ref.rollout.name=vllm on trainer"):
+        check_trainer_device(config)
 
 
 def test_vllm_on_the_cpu_passes_the_preflight_with_its_cpu_build_only(monkeypatch):
