@@ -38,10 +38,10 @@ demo: $(STAMP)
 test: install
 	$(PY) -m pytest tests -q
 
-# verl's own trainers on this CPU for a few steps (separate_async with verl's vLLM rollout: SAT-GSPO with FSDP routing
-# replay at paper lag 1 and its resume; the sync trainer with float32 vLLM, checked after every weight sync; GRPO at
-# paper lag 8; colocate_async with two FSDP ranks and its resume; fully-async); checks and prints the SAT, R3,
-# staleness, mismatch and reward metrics verl logged
+# verl's own trainers on this CPU for a few steps, rolling out with verl's vLLM server on vLLM's CPU build
+# (separate_async: SAT-GSPO with FSDP routing replay at paper lag 1 and its resume, GRPO at paper lag 8; the sync
+# trainer with float32 vLLM, checked after every weight sync; colocate_async with two FSDP ranks and its resume;
+# fully-async); checks and prints the SAT, R3, staleness, mismatch and reward metrics verl logged
 e2e: install
 	$(VENV)/bin/verl-sat prepare --workdir $(WORKDIR) --if-needed
 	$(VENV)/bin/verl-sat e2e --workdir $(WORKDIR)

@@ -12,7 +12,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """verl's real entry point and v1 separate-async trainer on this CPU (``python -m verl_sat.main +recipe=sat_gspo_r3
-+lag=lag1 r3=fsdp trainer.device=cpu +cpu=vllm``): Ray workers, verl's FSDP2 engine over gloo, verl's vLLM rollout
++lag=lag1 r3=fsdp trainer.device=cpu +cpu=e2e``): Ray workers, verl's FSDP2 engine over gloo, verl's vLLM rollout
 (``vLLMReplica``, ``vLLMHttpServer``, vLLM's CPU build) with R3 on vLLM's routes, the object-store weight sync into
 verl's shared-memory transfer to vLLM, verl's transfer queue, replay buffer, agent and reward loops, two trainer steps
 (the second on samples of the first update's weights) and verl's checkpoints. What it must show is read from verl's
@@ -37,8 +37,8 @@ from verl_sat.cpu.e2e import (
 
 
 def test_verls_async_trainer_runs_sat_gspo_with_fsdp_routing_replay_on_vllm(tiny_workdir, tmp_path):
-    base = next(run for run in RUNS if run.folder_name == "separate_async-vllm-sat_gspo_r3-lag1")
-    run = E2ERun(base.trainer, base.name, base.recipe_args, steps=2, resume=False, required=base.required, cpu="vllm")
+    base = next(run for run in RUNS if run.folder_name == "separate_async-sat_gspo_r3-lag1")
+    run = E2ERun(base.trainer, base.name, base.recipe_args, steps=2, resume=False, required=base.required)
     result = run_e2e(tiny_workdir, (run,), out=tmp_path)[run.folder_name]  # raises, naming the log, on any failure
     steps = result["steps"]
     assert sorted(steps) == [1, 2]

@@ -13,7 +13,7 @@
 # limitations under the License.
 """verl-sat's CPU pieces are active only in a CPU run (``VERL_PLATFORM=cpu``), register what verl's registries need
 there, never fall back to the CUDA platform when the plugin fails, and the entry point refuses CPU jobs that name a
-GPU rollout (vLLM's CPU build only with the keys it needs there)."""
+rollout it cannot run (vLLM's CPU build only, with the keys it needs there)."""
 
 import os
 import re
@@ -23,7 +23,6 @@ import sys
 import pytest
 
 from verl_sat.cpu import VLLM_EXTENSION
-from verl_sat.cpu.e2e import COLOCATE_ASYNC
 from verl_sat.main import compose_from_args, with_recipes_searchpath
 from verl_sat.preflight import PreflightError, check_config, check_trainer_device
 
@@ -40,10 +39,8 @@ def _python(code: str, env_extra: dict | None = None, sitecustomize: str | None 
 REGISTRIES = """
 import verl, torch.distributed
 from verl.plugin.platform import PlatformRegistry
-from verl.workers.rollout.base import _ROLLOUT_REGISTRY
 from verl.checkpoint_engine.base import CheckpointEngineRegistry
-print('cpu' in PlatformRegistry.registered_names(), ('hf_cpu', 'async') in _ROLLOUT_REGISTRY,
-      'ray_object_store' in CheckpointEngineRegistry._registry,
+print('cpu' in PlatformRegistry.registered_names(), 'ray_object_store' in CheckpointEngineRegistry._registry,
       getattr(torch.distributed.init_process_group, '_verl_sat_cpu_patched', False))
 """
 
@@ -51,7 +48,7 @@ print('cpu' in PlatformRegistry.registered_names(), ('hf_cpu', 'async') in _ROLL
 def test_nothing_changes_without_a_cpu_run():
     proc = _python(REGISTRIES)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["False"] * 4
+    assert proc.stdout.split() == ["False"] * 3
 
 
 def test_a_cpu_run_registers_the_pieces_and_verls_process_group_starts():
@@ -62,10 +59,9 @@ import os
 import re
 from verl.utils.device import get_device_id, get_device_name, get_nccl_backend
 from verl.workers.engine.base import EngineRegistry
-from verl.workers.rollout.replica import RolloutReplicaRegistry
 from verl.utils.distributed import initialize_global_process_group
 print(get_device_name(), get_device_id(), get_nccl_backend())
-print(EngineRegistry.get_engine_cls('language_model', 'fsdp2').__name__, RolloutReplicaRegistry.get('hf_cpu').__name__)
+print(EngineRegistry.get_engine_cls('language_model', 'fsdp2').__name__)
 os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='29531', RANK='0', WORLD_SIZE='1', LOCAL_RANK='0')
 initialize_global_process_group()
 print(torch.distributed.get_backend())
@@ -74,9 +70,9 @@ print(torch.distributed.get_backend())
     proc = _python(code, {"VERL_PLATFORM": "cpu"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert lines[0].split() == ["True"] * 4
+    assert lines[0].split() == ["True"] * 3
     assert lines[1].split() == ["cpu", "cpu", "gloo"]
-    assert lines[2].split() == ["FSDPEngineWithLMHead", "HFCPUReplica"]
+    assert lines[2] == "FSDPEngineWithLMHead"
     assert lines[3] == "cpu:gloo"  # verl's "cpu:gloo,cpu:gloo" with the repeated device dropped
 
 
@@ -106,13 +102,16 @@ def _cpu_config(*overrides: str):
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["trainer.device=cpu"], "trainer.device=cpu needs actor_rollout_ref.rollout.name=hf_cpu"),
+        (["trainer.device=cpu"], "needs actor_rollout_ref.rollout.name=vllm, got None: add +cpu=e2e"),
+        (["trainer.device=cpu", "+cpu=e2e", "actor_rollout_ref.rollout.enforce_eager=false"],
+         "needs actor_rollout_ref.rollout.enforce_eager=True, got False"),
+        (["trainer.device=cpu", "+cpu=e2e", "actor_rollout_ref.rollout.name=sglang"],
+         "needs actor_rollout_ref.rollout.name=vllm, got 'sglang'"),
         (["trainer.device=cpu", "+cpu=e2e", "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"],
          "needs actor_rollout_ref.rollout.checkpoint_engine.backend=ray_object_store"),
-        (["actor_rollout_ref.rollout.name=hf_cpu"], "is verl-sat's CPU rollout: set trainer.device=cpu"),
-        (["trainer.device=cpu", "+cpu=e2e", "actor_rollout_ref.rollout.name=vllm"],
-         "needs actor_rollout_ref.rollout.enforce_eager=True, got False: add +cpu=vllm"),
-        (["trainer.device=cpu", "+cpu=vllm", "actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=x.Y"],
+        (["trainer.device=cpu", "+cpu=e2e", "actor_rollout_ref.rollout.enable_sleep_mode=true"],
+         "needs actor_rollout_ref.rollout.enable_sleep_mode=False, got True"),
+        (["trainer.device=cpu", "+cpu=e2e", "actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=x.Y"],
          "needs actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=verl_sat.cpu.vllm_reload"),
     ],
 )  # fmt: skip
@@ -123,33 +122,26 @@ def test_preflight_refuses_a_cpu_job_it_cannot_run(overrides, message):
         check_trainer_device(config)  # what verl's trainer needs on a CPU
 
 
-def test_preflight_refuses_vllm_in_verls_hybrid_replicas_on_the_cpu():
-    import verl_sat.plugin  # noqa: F401  (the recipes' resolvers)
-
-    args = ["+recipe=sat_gspo_r3", "+lag=colocate_async/lag1", "r3=fsdp", "trainer.device=cpu", "+cpu=vllm",
-            *COLOCATE_ASYNC]  # fmt: skip
-    config = compose_from_args(with_recipes_searchpath(args))
-    check_config(config)
-    with pytest.raises(PreflightError, match="colocate_async with actor_rollout_ref.rollout.name=vllm on trainer"):
-        check_trainer_device(config)
-
-
-def test_vllm_on_the_cpu_passes_the_preflight_with_its_cpu_build_only(monkeypatch):
+def test_the_cpu_sizes_pass_the_preflight_with_vllms_cpu_build_only(monkeypatch):
     import importlib.metadata
 
-    config = _cpu_config("trainer.device=cpu", "+cpu=vllm")
+    config = _cpu_config("trainer.device=cpu", "+cpu=e2e")
     check_config(config)
     check_trainer_device(config)
     rollout = config.actor_rollout_ref.rollout
     assert rollout.name == "vllm" and rollout.engine_kwargs.vllm.worker_extension_cls == VLLM_EXTENSION
+    assert config.ray_kwargs.ray_init.num_gpus == 2
     assert config.ray_kwargs.ray_init.runtime_env.env_vars.VLLM_CPU_KVCACHE_SPACE == "1"
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.30.0")  # a CUDA build under the name vllm
     with pytest.raises(PreflightError, match="needs vLLM's CPU build registered as vllm"):
         check_trainer_device(config)
 
 
-def test_the_cpu_sizes_pass_the_preflight():
-    config = _cpu_config("trainer.device=cpu", "+cpu=e2e")
-    check_config(config)
-    check_trainer_device(config)
-    assert config.actor_rollout_ref.rollout.name == "hf_cpu" and config.ray_kwargs.ray_init.num_gpus == 2
+def test_object_store_engine_topology_sends_from_the_trainers_rank_zero():
+    from verl_sat.cpu.checkpoint_engine import RayObjectStoreCheckpointEngine
+
+    metadata = [{"is_master": True}, {"is_master": False}, {"is_master": False}]
+    actor, rollout = RayObjectStoreCheckpointEngine.build_topology(2, 1, metadata)
+    assert actor == {"rank": [0, -1]} and rollout == {"rank": [1]}
+    with pytest.raises(RuntimeError, match="rank 0 must be the checkpoint engine's master"):
+        RayObjectStoreCheckpointEngine.build_topology(2, 1, metadata[1:])

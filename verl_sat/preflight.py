@@ -248,43 +248,28 @@ def _check_trainer(config: DictConfig, loss_mode: str) -> None:
 
 def check_trainer_device(config: DictConfig) -> None:
     """For verl's own trainer (``python -m verl_sat.main``; the embedded engine has its own rollout): a
-    ``trainer.device=cpu`` job rolls out through verl-sat's CPU server (``hf_cpu``, ``+cpu=e2e``) or vLLM's CPU build
-    (``vllm``, ``+cpu=vllm``), with verl-sat's CPU weight transport; verl's GPU transports cannot run, verl's vLLM
-    server needs the keys of ``verl_sat.cpu.VLLM_REQUIRED``, and verl-sat's CPU server serves nothing else."""
-    from verl_sat.cpu import CHECKPOINT_BACKEND, ROLLOUT_NAME, VLLM_REQUIRED, VLLM_ROLLOUT
+    ``trainer.device=cpu`` job rolls out through verl's vLLM server on vLLM's CPU build, with the keys it needs there
+    (``verl_sat.cpu.VLLM_REQUIRED``, set by ``+cpu=e2e``), and moves weights with verl-sat's CPU transport; verl's GPU
+    transports cannot run."""
+    from verl_sat.cpu import CHECKPOINT_BACKEND, VLLM_REQUIRED
 
+    if config.trainer.get("device") != "cpu":
+        return
     rollout = config.actor_rollout_ref.rollout
-    cpu = config.trainer.get("device") == "cpu"
-    trainer = selected_trainer(config)
-    if rollout.get("name") == VLLM_ROLLOUT:
-        expected = {key: (OmegaConf.select(config, key), wanted) for key, wanted in VLLM_REQUIRED.items()}
-        hint = "add +cpu=vllm"
-    else:
-        expected = {"actor_rollout_ref.rollout.name": (rollout.get("name"), ROLLOUT_NAME)}
-        hint = "add +cpu=e2e (verl-sat's CPU rollout) or +cpu=vllm (vLLM's CPU build)"
-    if trainer != "colocate_async":  # colocate_async: rollout inside the training workers, "naive"
+    expected = {key: (OmegaConf.select(config, key), wanted) for key, wanted in VLLM_REQUIRED.items()}
+    if selected_trainer(config) != "colocate_async":  # colocate_async: rollout inside the training workers, "naive"
         expected |= {
             "actor_rollout_ref.rollout.checkpoint_engine.backend": (rollout.checkpoint_engine.get("backend"),
                                                                     CHECKPOINT_BACKEND),
             "actor_rollout_ref.hybrid_engine": (config.actor_rollout_ref.get("hybrid_engine", True), False),
         }  # fmt: skip
-    if cpu:
-        for key, (value, wanted) in expected.items():
-            if value != wanted:
-                raise PreflightError(f"trainer.device=cpu needs {key}={wanted}, got {value!r}: {hint} or set the key")
-        if rollout.get("name") == VLLM_ROLLOUT:
-            if trainer == "colocate_async":
-                raise PreflightError(
-                    "trainer.v1.trainer_mode=colocate_async with actor_rollout_ref.rollout.name=vllm on trainer.device="
-                    "cpu: vLLM's CPU build has no sleep mode, which verl's hybrid replicas need; use separate_async or "
-                    "fully_async, or rollout.name=hf_cpu"
-                )
-            _check_vllm_cpu_build()
-    elif rollout.get("name") == ROLLOUT_NAME:
-        raise PreflightError(
-            f"actor_rollout_ref.rollout.name={ROLLOUT_NAME} is verl-sat's CPU rollout: set trainer.device=cpu, or "
-            "choose a GPU rollout (vllm, sglang)"
-        )
+    for key, (value, wanted) in expected.items():
+        if value != wanted:
+            raise PreflightError(
+                f"trainer.device=cpu needs {key}={wanted}, got {value!r}: add +cpu=e2e (verl-sat's CPU sizes) or set "
+                "the key"
+            )
+    _check_vllm_cpu_build()
 
 
 def _check_vllm_cpu_build() -> None:

@@ -12,20 +12,19 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """verl's own trainer on a CPU-only machine: the pieces verl's registries take (platform, FSDP engine for device
-``cpu``, rollout replica, checkpoint engine). Active only when a run asks for it (``trainer.device=cpu``, which
+``cpu``, checkpoint engine); the rollout is verl's own vLLM server on vLLM's CPU build, with verl-sat's worker
+extension (``verl_sat.cpu.vllm_reload``). Active only when a run asks for it (``trainer.device=cpu``, which
 ``python -m verl_sat.main`` turns into ``VERL_PLATFORM=cpu`` for the driver and every Ray worker)."""
 
-import importlib
 import os
 
 PLATFORM_ENV = "VERL_PLATFORM"
 PLATFORM_NAME = "cpu"
-ROLLOUT_NAME = "hf_cpu"  # actor_rollout_ref.rollout.name
-VLLM_ROLLOUT = "vllm"  # actor_rollout_ref.rollout.name for vLLM's CPU build (+cpu=vllm)
-# what verl's vLLM server needs on a CPU (recipes/cpu/vllm.yaml sets it): eager mode, no sleep mode, and the worker
-# extension whose weight update works on vLLM's CPU build (verl_sat.cpu.vllm_reload)
 VLLM_EXTENSION = "verl_sat.cpu.vllm_reload.VLLMCPUWorkerExtension"
+# what verl's vLLM server needs on a CPU (recipes/cpu/e2e.yaml sets it): vLLM's rollout, eager mode, no sleep mode,
+# and the worker extension whose weight update works on vLLM's CPU build (verl_sat.cpu.vllm_reload)
 VLLM_REQUIRED = {
+    "actor_rollout_ref.rollout.name": "vllm",
     "actor_rollout_ref.rollout.enforce_eager": True,
     "actor_rollout_ref.rollout.enable_sleep_mode": False,
     "actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls": VLLM_EXTENSION,
@@ -40,8 +39,7 @@ def requested() -> bool:
 
 def activate() -> None:
     """Register the CPU pieces in verl's registries (idempotent). The platform goes first: importing verl's engines
-    resolves verl's platform. The rollout module is named, not imported: this runs inside ``import verl`` (the
-    plugin), possibly while that module is being imported."""
+    resolves verl's platform."""
     from verl.plugin.platform import PlatformRegistry, platform_manager
 
     from verl_sat.cpu.platform import PlatformCPU
@@ -62,8 +60,6 @@ def activate() -> None:
     from verl.checkpoint_engine.base import CheckpointEngineRegistry
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
-    from verl.workers.rollout import base as rollout_base
-    from verl.workers.rollout.replica import RolloutReplicaRegistry
 
     from verl_sat.cpu import checkpoint_engine
 
@@ -71,7 +67,5 @@ def activate() -> None:
     for model_type, engine in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
         if PLATFORM_NAME not in EngineRegistry._engines.get(model_type, {}).get("fsdp2", {}):
             EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device=PLATFORM_NAME)(engine)
-    # the rollout backend (rollout.name=hf_cpu) and the weight transport (checkpoint_engine.backend=ray_object_store)
-    RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: importlib.import_module("verl_sat.cpu.rollout").HFCPUReplica)
-    rollout_base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = "verl_sat.cpu.rollout.HFCPUServerAdapter"
+    # the weight transport (checkpoint_engine.backend=ray_object_store)
     CheckpointEngineRegistry.register(CHECKPOINT_BACKEND)(checkpoint_engine.RayObjectStoreCheckpointEngine)

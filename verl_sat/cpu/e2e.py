@@ -11,23 +11,21 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""``verl-sat e2e`` (``make e2e``): verl's real entry point and its asynchronous trainers on this CPU, on a prepared
-embedded workdir, for a few steps each:
+"""``verl-sat e2e`` (``make e2e``): verl's real entry point and its trainers on this CPU, on a prepared embedded
+workdir, for a few steps each, all rolling out with verl's own vLLM server on vLLM's CPU build (``+cpu=e2e``: verl's
+``vLLMReplica``, ``vLLMHttpServer`` and weight transfer, with verl-sat's worker extension):
 
-1. ``separate_async`` with vLLM's CPU build as the rollout (``+cpu=vllm``: verl's ``vLLMReplica``,
-   ``vLLMHttpServer`` and weight transfer): ``+recipe=sat_gspo_r3 +lag=lag1 r3=fsdp`` (SAT-GSPO with routing replay
-   of vLLM's routes under verl's FSDP engine), then the same command with one more step, which resumes from verl's
-   checkpoint;
+1. ``separate_async``: ``+recipe=sat_gspo_r3 +lag=lag1 r3=fsdp`` (SAT-GSPO with routing replay of vLLM's routes
+   under verl's FSDP engine), then the same command with one more step, which resumes from verl's checkpoint; and
+   ``+recipe=grpo +lag=lag8``, the paper's lag (8 optimizer steps per broadcast);
 2. verl's v1 ``sync`` trainer with vLLM in float32 (``+lag=sync``): on-policy, so after every weight sync vLLM's
    log-probs must equal the float32 trainer's (``SYNCED_MISMATCH_MAX``);
-3. ``separate_async`` with verl-sat's CPU server (``+cpu=e2e``, ``hf_cpu``): ``+recipe=grpo +lag=lag8``, the paper's
-   lag (8 optimizer steps per broadcast);
-4. ``colocate_async``: ``+recipe=sat_gspo_r3 +lag=lag1 r3=fsdp`` with two FSDP ranks over gloo (verl's
-   global-batch loss normalisation over 2 data-parallel ranks, R3 on sharded parameters) and rollout from ``hf_cpu``
-   replicas inside the training workers (verl's hybrid engine);
-5. ``fully_async`` (``hf_cpu``): ``--config-name fully_async_ppo_trainer +recipe=sat_gspo_r3 +lag=lag1 r3=fsdp``.
+3. ``colocate_async``: ``+recipe=sat_gspo_r3 +lag=lag1 r3=fsdp`` with two FSDP ranks over gloo (verl's
+   global-batch loss normalisation over 2 data-parallel ranks, R3 on sharded parameters) and rollout from vLLM
+   replicas inside the training workers (verl's hybrid engine), and its resume;
+4. ``fully_async``: ``--config-name fully_async_ppo_trainer +recipe=sat_gspo_r3 +lag=lag1 r3=fsdp``.
 
-Each run is ``python -m verl_sat.main ... trainer.device=cpu +cpu=PRESET`` in its own process; its output goes to
+Each run is ``python -m verl_sat.main ... trainer.device=cpu +cpu=e2e`` in its own process; its output goes to
 ``WORKDIR/e2e/TRAINER-NAME/log*.txt`` and verl's metrics (verl's ``file`` logger) to ``metrics*.jsonl``. The command
 checks what the run must show in verl's own metrics, the realised staleness included, and prints it.
 """
@@ -80,7 +78,6 @@ class E2ERun:
     resume: bool
     required: tuple[str, ...]
     staleness: int | None = 1
-    cpu: str = "e2e"  # the CPU preset (recipes/cpu/): e2e (verl-sat's hf_cpu rollout) or vllm (vLLM's CPU build)
     mismatch_max: float | None = None  # bound on every step's d_pi (rollout vs trainer log-prob), if checked
 
     @property
@@ -88,7 +85,7 @@ class E2ERun:
         return f"{self.trainer}-{self.name}"
 
 
-# colocate_async on the CPU: verl-sat's CPU rollout as verl's hybrid replicas, inside the two training workers
+# colocate_async on the CPU: vLLM as verl's hybrid replicas, inside the two training workers
 COLOCATE_ASYNC = ("trainer.v1.trainer_mode=colocate_async", "actor_rollout_ref.hybrid_engine=true",
                   "actor_rollout_ref.rollout.checkpoint_engine.backend=naive", "trainer.n_gpus_per_node=2")  # fmt: skip
 # verl's fully-async trainer on the CPU: 4 prompts per optimizer step, its rollouter on one slot, 24 prompts in all
@@ -102,10 +99,10 @@ FLOAT32_VLLM = ("actor_rollout_ref.rollout.dtype=float32",)
 # mean |log-prob difference|: measured about 4.5e-7 per step; one weight version of staleness adds about 2.6e-3
 SYNCED_MISMATCH_MAX = 1e-4
 RUNS = (
-    E2ERun("separate_async", "vllm-sat_gspo_r3-lag1", ("+recipe=sat_gspo_r3", "+lag=lag1", "r3=fsdp"), 2, True,
-           (*SAT_METRICS, *R3_METRICS, *STALENESS_METRICS, *REWARD_METRICS, *MISMATCH_METRICS), cpu="vllm"),
-    E2ERun("sync", "vllm-float32-sat_gspo_r3", ("+recipe=sat_gspo_r3", "+lag=sync", "r3=fsdp", *FLOAT32_VLLM), 3,
-           False, (*SAT_METRICS, *R3_METRICS, *STALENESS_METRICS, *MISMATCH_METRICS), staleness=0, cpu="vllm",
+    E2ERun("separate_async", "sat_gspo_r3-lag1", ("+recipe=sat_gspo_r3", "+lag=lag1", "r3=fsdp"), 2, True,
+           (*SAT_METRICS, *R3_METRICS, *STALENESS_METRICS, *REWARD_METRICS, *MISMATCH_METRICS)),
+    E2ERun("sync", "float32-sat_gspo_r3", ("+recipe=sat_gspo_r3", "+lag=sync", "r3=fsdp", *FLOAT32_VLLM), 3, False,
+           (*SAT_METRICS, *R3_METRICS, *STALENESS_METRICS, *MISMATCH_METRICS), staleness=0,
            mismatch_max=SYNCED_MISMATCH_MAX),
     E2ERun("separate_async", "grpo-lag8", ("+recipe=grpo", "+lag=lag8"), 2, False,
            (*STALENESS_METRICS, *REWARD_METRICS, *MISMATCH_METRICS)),
@@ -125,7 +122,7 @@ class E2EFailed(RuntimeError):
 def command(workdir: Path, run: E2ERun, steps: int, metrics_path: Path, checkpoints: Path) -> list[str]:
     """The ``python -m verl_sat.main`` command line of one invocation."""
     return [
-        sys.executable, "-m", "verl_sat.main", *run.recipe_args, "trainer.device=cpu", f"+cpu={run.cpu}",
+        sys.executable, "-m", "verl_sat.main", *run.recipe_args, "trainer.device=cpu", "+cpu=e2e",
         f"actor_rollout_ref.model.path={workdir / 'model'}",
         f"data.train_files={workdir / 'data' / 'train.parquet'}", f"data.val_files={workdir / 'data' / 'test.parquet'}",
         f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={checkpoints}",

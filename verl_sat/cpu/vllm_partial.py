@@ -14,7 +14,7 @@
 """Abort and resume of in-flight requests on vLLM's CPU build, as verl's partial rollout uses them
 (``python -m verl_sat.cpu.vllm_partial --model M``, run by ``make e2e``).
 
-verl's ``vLLMHttpServer`` (a Ray actor around vLLM's ``AsyncLLM``, composed with ``+cpu=vllm`` in float32 and R3)
+verl's ``vLLMHttpServer`` (a Ray actor around vLLM's ``AsyncLLM``, composed with ``+cpu=e2e`` in float32 and R3)
 serves requests through verl's ``FullyAsyncLLMServerClient``, the client that re-submits an aborted request as
 prompt plus the tokens so far, and verl's ``GlobalRequestLoadBalancer``. While they decode, the trainer's weight
 sync is played by the server calls verl's checkpoint manager makes: ``abort_all_requests``, ``set_global_steps``,
@@ -97,7 +97,7 @@ def check(model: str, count: int = 8, max_tokens: int = 96) -> dict[str, float]:
     from verl_sat.cpu.vllm_reload import hf_scores
     from verl_sat.main import compose_job, use_cpu, with_recipes_searchpath
 
-    args = ["+recipe=sat_gspo_r3", "r3=fsdp", "trainer.device=cpu", "+cpu=vllm",
+    args = ["+recipe=sat_gspo_r3", "r3=fsdp", "trainer.device=cpu", "+cpu=e2e",
             f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.rollout.dtype=float32",
             "actor_rollout_ref.rollout.load_format=auto"]  # fmt: skip
     _, config = compose_job(with_recipes_searchpath(args))

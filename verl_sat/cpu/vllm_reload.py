@@ -12,8 +12,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """verl's weight updates into vLLM's CPU build, mended: a worker extension verl's vLLM server already loads
-(``actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls``, set by ``+cpu=e2e`` with
-``rollout.name=vllm``).
+(``actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls``, set by ``+cpu=e2e``).
 
 vLLM's CPU build puts its weights in kernel layouts after the first load, and a second load cannot write into them:
 
@@ -72,11 +71,15 @@ def check_loaded(restored: dict[str, torch.Tensor]) -> None:
 
 class VLLMCPUWorkerExtension(vLLMColocateWorkerExtension):
     """verl's ``vLLMColocateWorkerExtension`` whose weight update works on vLLM's CPU build (module docstring).
-    Full-weight updates only: LoRA adapters and quantized models are refused."""
+    Full-weight updates only: LoRA adapters and quantized models are refused. On any other platform it is verl's
+    class unchanged."""
 
     def update_weights_from_ipc(self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
+        from vllm.platforms import current_platform
 
+        if not current_platform.is_cpu():
+            return super().update_weights_from_ipc(peft_config, base_sync_done, use_shm)
         if peft_config or self.model_runner.vllm_config.quant_config is not None:
             raise NotImplementedError(
                 "verl-sat's CPU weight update (actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls="

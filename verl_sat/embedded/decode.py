@@ -19,7 +19,6 @@ the experts each MoE layer chose for the tokens of that forward (verl's ``routed
 from a ``torch.Generator`` owned by the caller, never from torch's global RNG, so a thread's draws are its own.
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +37,6 @@ class Generation:
     log_probs: torch.Tensor  # [N, R] float32: sampling-time log-prob of each response token (0 where masked)
     routed_experts: torch.Tensor | None  # [N, P + R, num_layers, top_k] int16; zero rows: no route recorded
     prompt_len: int
-    stopped: bool = False  # ``should_stop`` ended the decode before every response finished
 
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,12 +64,9 @@ def generate(
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
     routing: RoutingReplay | None = None,
-    should_stop: Callable[[], bool] | None = None,
 ) -> Generation:
     """Sample one response per prompt from the full tempered distribution (``generator``), or decode greedily
-    (``generator=None``). With ``routing``, record every MoE layer's experts in each forward. ``should_stop`` is
-    asked after every sampled token; when it answers true the decode ends there (``stopped``), with the tokens so
-    far (an inference server's abort)."""
+    (``generator=None``). With ``routing``, record every MoE layer's experts in each forward."""
     device = next(model.parameters()).device
     ids, mask = (t.to(device) for t in left_pad(prompt_rows, pad_id))
     num, prompt_len = ids.shape
@@ -91,7 +86,7 @@ def generate(
     logits = next_token_logits(ids, mask, position_ids(mask))
     position = position_ids(mask)[:, -1:]
     finished = torch.zeros(num, dtype=torch.bool, device=device)
-    tokens, log_probs, valid, stopped = [], [], [], False
+    tokens, log_probs, valid = [], [], []
     for step in range(max_new_tokens):
         if generator is None:
             log_softmax = torch.log_softmax(logits, dim=-1)
@@ -105,9 +100,6 @@ def generate(
         log_probs.append(torch.where(finished, 0.0, log_softmax.gather(-1, token[:, None]).squeeze(-1)))
         finished = finished | (token == eos_id)
         if step + 1 == max_new_tokens or bool(finished.all()):
-            break
-        if should_stop is not None and should_stop():
-            stopped = True
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         position = position + 1
@@ -130,7 +122,6 @@ def generate(
         log_probs=torch.nn.functional.pad(torch.stack(log_probs, dim=1), (0, pad)),
         routed_experts=routed,
         prompt_len=prompt_len,
-        stopped=stopped,
     )
 
 
