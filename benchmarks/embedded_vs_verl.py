@@ -16,8 +16,8 @@ on both, one seed, and the regime quantities side by side (docs/cpu.md). Not in 
 
 Both run ``+recipe=sat_gspo_r3 +lag=lag8`` (SAT-GSPO with routing replay, 8 optimizer steps per broadcast, rollout
 one batch ahead) for ``--trainer-steps`` trainer steps of 4 prompts x 4 responses per optimizer step, at the
-embedded engine's learning rate; verl with ``r3=fsdp trainer.device=cpu +cpu=e2e`` (verl-sat's CPU rollout,
-verl's FSDP2 engine, transfer queue, agent and reward loops). Printed as a markdown table: the realised gap
+embedded engine's learning rate; verl with ``r3=fsdp trainer.device=cpu +cpu=e2e`` (verl's vLLM rollout on vLLM's
+CPU build, verl's FSDP2 engine, transfer queue, agent and reward loops). Printed as a markdown table: the realised gap
 distribution in optimizer steps, the mismatch d_pi (Eq. 52), SAT's gate rate, q / epsilon and intercepted fraction.
 
     python benchmarks/embedded_vs_verl.py --workdir verl_sat_work [--trainer-steps 4]
