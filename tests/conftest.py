@@ -175,5 +175,5 @@ def vllm_float32(tiny_workdir, tmp_path_factory):
     out = tmp_path_factory.mktemp("vllm_float32")
     cmd = [sys.executable, "-m", "verl_sat.cpu.vllm_reload", "--model", str(tiny_workdir / "model"),
            "--out", str(out / "reload.json"), "--samples-out", str(out / "samples.pt")]  # fmt: skip
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True, timeout=600)
     return {"figures": json.loads((out / "reload.json").read_text()), "samples": out / "samples.pt"}

@@ -53,7 +53,6 @@ def test_verls_async_trainer_runs_sat_gspo_with_fsdp_routing_replay_on_vllm(tiny
     # vLLM started on dummy weights: only the first sync through verl-sat's worker extension made it the policy
     # (bf16 against the fp32 trainer: a few 1e-3; a layout vLLM misreads gives nats)
     assert steps[1]["actor/mismatch_abs_log_ratio"] < 0.05
-    assert steps[2]["training/off_policy/trajectory_staleness/max"] == 1  # vLLM sampled with the first update's
     checkpoints = tmp_path / run.folder_name / "checkpoints"
     assert (checkpoints / "global_step_1" / "actor").is_dir() and (checkpoints / "global_step_2" / "actor").is_dir()
     assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"

@@ -42,7 +42,7 @@ def test_vllm_samples_with_the_updated_weights(reload):
     assert reload["updated_shift"] >= 100 * reload["updated_max"]
 
 
-def test_the_extension_is_the_one_the_cpu_recipe_names():
+def test_the_extension_name_resolves_to_a_subclass_of_verls_extension():
     from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
     from verl_sat.cpu.vllm_reload import VLLMCPUWorkerExtension
@@ -91,3 +91,6 @@ def test_pin_verls_update_steps():
         assert step in source
     update = inspect.signature(vLLMColocateWorkerExtension._update_weights)
     assert list(update.parameters) == ["self", "weights", "peft_config", "base_sync_done"]
+    # the method the extension overrides, as verl's ServerAdapter calls it (kwargs use_shm, peft_config, ...)
+    received = inspect.signature(vLLMColocateWorkerExtension.update_weights_from_ipc)
+    assert list(received.parameters) == ["self", "peft_config", "base_sync_done", "use_shm"]

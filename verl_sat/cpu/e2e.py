@@ -69,7 +69,8 @@ RESUMED = "Resuming from"  # what verl's trainer logs when it loads a checkpoint
 class E2ERun:
     """One verl run: its trainer, recipe arguments, trainer steps, whether a second invocation resumes it for one
     more step, the metrics it must log, and the staleness it must show from its second step on, in weight versions
-    (the v1 trainers' ``training/off_policy/trajectory_staleness``; one version = the lag's optimizer steps)."""
+    (the v1 trainers' ``training/off_policy/trajectory_staleness``; one version = the lag's optimizer steps), and the
+    bound on every step's mismatch d_pi it must stay within, if any."""
 
     trainer: str
     name: str
@@ -263,9 +264,9 @@ def check_mismatch(run: E2ERun, steps: dict[int, dict], folder: Path) -> None:
     Eq. 52) within it. On-policy with a float32 engine this holds only if every weight sync reached the engine."""
     if run.mismatch_max is None:
         return
-    over = {step: m.get(MISMATCH_METRIC) for step, m in sorted(steps.items())}
-    if any(value is None or value > run.mismatch_max for value in over.values()):
-        raise E2EFailed(f"{run.folder_name}: {MISMATCH_METRIC} per step {over}, expected at most {run.mismatch_max} "
+    values = {step: m.get(MISMATCH_METRIC) for step, m in sorted(steps.items())}
+    if any(value is None or value > run.mismatch_max for value in values.values()):
+        raise E2EFailed(f"{run.folder_name}: {MISMATCH_METRIC} per step {values}, expected at most {run.mismatch_max} "
                         f"at every step: the rollout engine's weights differ from the trainer's (see "
                         f"{folder / 'metrics.jsonl'})")  # fmt: skip
 

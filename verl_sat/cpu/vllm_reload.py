@@ -24,10 +24,15 @@ vLLM's CPU build puts its weights in kernel layouts after the first load, and a 
 
 ``VLLMCPUWorkerExtension.update_weights_from_ipc`` therefore, before verl's receiver loads the update, puts those
 layers back in checkpoint layout (vLLM's own record of it, ``get_layerwise_info`` / ``restore_layer_on_meta``)
-and unsets the experts' kernel; verl's loading then runs unchanged, and vLLM's ``process_weights_after_loading``
-repacks everything as on the first load. Restored tensors start as NaN, so an update that leaves one of them out
-fails, naming it. ``tests/test_vllm_reload_on_cpu.py`` pins the vLLM code this works around.
+and unsets the experts' kernel; verl's receiver and per-bucket loading (``BucketedWeightReceiver``,
+``_update_weights``) then load the update, and vLLM's ``process_weights_after_loading`` repacks everything as on the
+first load. The restored linear and expert weights start as NaN, so an update that leaves one of them out fails,
+naming it (biases, embeddings and norms are loaded in place, as verl loads them on a GPU). A failed update leaves
+the engine unusable; the error stops the run. ``tests/test_vllm_reload_on_cpu.py`` pins the vLLM and verl code this
+works around.
 """
+
+from collections.abc import Iterable, Iterator
 
 import torch
 from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
@@ -51,6 +56,8 @@ def restore_checkpoint_layout(model: torch.nn.Module) -> dict[str, torch.Tensor]
         if not isinstance(method, UnquantizedLinearMethod | UnquantizedFusedMoEMethod):
             continue
         info = get_layerwise_info(layer)
+        if not info.restore_metadata[0]:  # vLLM records it when it builds the model (initialize_model)
+            raise RuntimeError(f"vLLM holds no checkpoint layout for {name!r}: its weights cannot be restored")
         restore_layer_on_meta(layer, info)
         materialize_layer(layer, info)
         if isinstance(method, UnquantizedFusedMoEMethod):
@@ -74,7 +81,9 @@ class VLLMCPUWorkerExtension(vLLMColocateWorkerExtension):
     Full-weight updates only: LoRA adapters and quantized models are refused. On any other platform it is verl's
     class unchanged."""
 
-    def update_weights_from_ipc(self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
+    def update_weights_from_ipc(
+        self, peft_config: dict | None = None, base_sync_done: bool = False, use_shm: bool = False
+    ) -> None:
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
         from vllm.platforms import current_platform
 
@@ -93,13 +102,16 @@ class VLLMCPUWorkerExtension(vLLMColocateWorkerExtension):
         receiver = BucketedWeightReceiver(zmq_handle=self._get_zmq_handle(), device=device, use_shm=use_shm)
         receiver.receive_weights(on_bucket_received=lambda weights, is_last: self._update_weights(weights, None, False))
         check_loaded(restored)
+        del restored  # the checkpoint-layout copies: repacking allocates the kernel layouts
         for model, model_config in self._iter_all_models_with_config():
             process_weights_after_loading(model, model_config, device)
 
 
-def send(llm, named_tensors) -> None:
-    """Update ``llm``'s weights as verl's ``ServerAdapter.update_weights`` does on a machine without device IPC: the
-    workers' ``update_weights_from_ipc`` receives what verl's ``BucketedWeightSender`` puts in shared memory."""
+def send(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Update ``llm``'s weights (a ``vllm.LLM`` with one worker) as verl's ``ServerAdapter.update_weights`` does on a
+    machine without device IPC: the worker's ``update_weights_from_ipc`` receives what verl's
+    ``BucketedWeightSender`` puts in shared memory. The sender runs in a daemon thread: if the worker fails, the
+    sender waits for an answer that never comes, and the worker's error is raised here."""
     import asyncio
     import threading
 
@@ -108,23 +120,22 @@ def send(llm, named_tensors) -> None:
     (handle,) = llm.collective_rpc("_get_zmq_handle")
     failure: list[BaseException] = []
 
-    def receive() -> None:
+    def send_buckets() -> None:
         try:
-            llm.collective_rpc("update_weights_from_ipc", kwargs={"use_shm": True})
+            sender = BucketedWeightSender(zmq_handle=handle, bucket_size_mb=64, use_shm=True)
+            asyncio.run(sender.async_send_weights(iter(named_tensors)))
         except BaseException as err:  # noqa: BLE001 (raised below, in the caller's thread)
             failure.append(err)
 
-    # a daemon thread: if the sender fails, the workers wait for buckets that never come, and must not hold the exit
-    receiver = threading.Thread(target=receive, daemon=True)
-    receiver.start()
-    sender = BucketedWeightSender(zmq_handle=handle, bucket_size_mb=64, use_shm=True)
-    asyncio.run(sender.async_send_weights(iter(named_tensors)))
-    receiver.join()
+    sender = threading.Thread(target=send_buckets, daemon=True)
+    sender.start()
+    llm.collective_rpc("update_weights_from_ipc", kwargs={"use_shm": True})
+    sender.join()
     if failure:
         raise failure[0]
 
 
-def trainer_weights(model: torch.nn.Module):
+def trainer_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """What verl's FSDP engine sends for ``model`` (a Transformers model): its state dict, experts split per expert
     by verl's ``unfuse_moe_params``."""
     from verl.workers.engine.fsdp.utils import unfuse_moe_params
@@ -200,6 +211,7 @@ def check(model: str, count: int = 8, noise: float = 0.3, seed: int = 0) -> tupl
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``python -m verl_sat.cpu.vllm_reload``: ``check`` on ``--model``, its figures printed (and saved)."""
     import argparse
     import json
 
