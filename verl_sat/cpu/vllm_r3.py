@@ -196,9 +196,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--samples", required=True)
     p.add_argument("--r3", choices=["on", "off"], required=True)
     p.add_argument("--out", required=True)
-    p = sub.add_parser("measure", help="both dtypes, with and without R3: the mismatch table")
+    p = sub.add_parser("measure", help="each dtype, with and without R3: the mismatch table")
     p.add_argument("--model", required=True)
     p.add_argument("--count", type=int, default=32, help="prompts per dtype (12 sampled tokens each)")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="vLLM dtypes, comma-separated")
     args = parser.parse_args(argv)
     if args.command == "sample":
         torch.save(sample(args.model, args.dtype, count=args.count), args.out)
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         log_probs, metrics = replay(args.model, torch.load(args.samples, weights_only=False), args.r3 == "on")
         torch.save({"log_probs": log_probs, "metrics": metrics}, args.out)
     else:
-        rows = measure(args.model, args.count)
+        rows = measure(args.model, args.count, tuple(args.dtypes.split(",")))
         print(f"\n{args.count} prompts x 12 sampled tokens per dtype; |vLLM log-prob - verl actor log-prob| per token")
         print("| vLLM dtype | R3 | mean abs log-prob diff | max | r3_route_flip_frac | r3_layers_replayed |")
         print("|---|---|---|---|---|---|")
