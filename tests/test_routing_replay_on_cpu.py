@@ -326,8 +326,33 @@ def test_top_1_routing_is_refused():
 
 
 def test_routes_on_another_device_are_a_clear_error():
+    """Routes must lie where the routers compute; the first replayed layer says so, naming both devices."""
     model = tiny_moe("qwen3_moe").eval()
     rr = RoutingReplay.attach(model)
     routes = torch.zeros(3, 9, 3, TOP_K, dtype=torch.int16, device="meta")
-    with pytest.raises(RoutingReplayError, match="routed_experts are on meta but the model is on cpu"):
-        rr.begin_replay(routes)
+    rr.begin_replay(routes)
+    with pytest.raises(RoutingReplayError, match="routed_experts are on meta but layer 0 routes on cpu"):
+        with torch.no_grad():
+            model(input_ids=ids())
+
+
+def test_routers_without_parameters_replay():
+    """FSDP1 without ``use_orig_params`` (verl's default actor) turns every wrapped module's parameters into plain
+    tensor views of its flat parameter: routers with no ``parameters()`` still replay exactly."""
+    model = tiny_moe("qwen3_moe").eval()
+    rr = RoutingReplay.attach(model)
+    with torch.no_grad(), rr.record() as rec:
+        native = model(input_ids=ids()).logits
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            weight = module.weight.detach().clone()
+            del module._parameters["weight"]
+            module.weight = weight  # a plain tensor attribute, as FSDP1's flat-parameter views
+            assert not list(module.parameters())
+    spy = ExpertsSpy(model)
+    with torch.no_grad(), rr.replay(rec.routed_experts):
+        replayed = model(input_ids=ids()).logits
+    spy.close()
+    assert torch.equal(replayed, native)
+    assert torch.equal(spy.used["model.layers.0.mlp.experts"], rec.routed_experts[:, :, 0].reshape(-1, TOP_K).long())
+    assert rr.replay_metrics()["actor/r3_layers_replayed"] == 2.0

@@ -100,6 +100,7 @@ class _RouterSlot:
     num_experts: int
     top_k: int
     name: str  # the router's (or block's) module path, for errors
+    kind: str  # its family's class name (a key of TOPK_ROUTER_RULES or one of SIGMOID_GROUP_MOE_BLOCKS)
     targets: torch.Tensor | None = None  # [N, top_k] long, replayed in this forward (and its recompute)
 
 
@@ -165,11 +166,11 @@ class RoutingReplay:
         slots: dict[nn.Module, _RouterSlot] = {}
         unsupported = []
         for name, module in model.named_modules():
-            kind = type(module).__name__
+            kind = _family(module)
             if kind in SIGMOID_GROUP_MOE_BLOCKS:
-                slots[module] = _RouterSlot(_layer_of(name), module.n_routed_experts, module.top_k, name)
+                slots[module] = _RouterSlot(_layer_of(name), module.n_routed_experts, module.top_k, name, kind)
             elif kind in TOPK_ROUTER_RULES:
-                slots[module] = _RouterSlot(_layer_of(name), module.num_experts, module.top_k, name)
+                slots[module] = _RouterSlot(_layer_of(name), module.num_experts, module.top_k, name, kind)
             elif kind.endswith(("TopKRouter", "TopkRouter")) and not _inside_supported_block(name, model):
                 unsupported.append(f"{name} ({kind})")
         if unsupported:
@@ -188,8 +189,8 @@ class RoutingReplay:
 
     def _install(self) -> None:
         self._handles.append(self.model.register_forward_pre_hook(self._capture_token_shape, with_kwargs=True))
-        for module in self._slots:
-            if type(module).__name__ in SIGMOID_GROUP_MOE_BLOCKS:
+        for module, slot in self._slots.items():
+            if slot.kind in SIGMOID_GROUP_MOE_BLOCKS:
                 module.route_tokens_to_experts = types.MethodType(self._routed_sigmoid_group, module)
             else:
                 self._handles.append(module.register_forward_hook(self._routed_topk))
@@ -227,8 +228,10 @@ class RoutingReplay:
         self.end_replay()
 
     def begin_replay(self, routed_experts: torch.Tensor) -> None:
-        """Arm replay of ``routed_experts`` (on the model's device) for the next forward(s) (``replay()`` without the
-        context). Expert ids are checked on the device; ``replay_metrics`` raises for one out of range."""
+        """Arm replay of ``routed_experts`` for the next forward(s) (``replay()`` without the context). They must lie on
+        the device the routers compute on, which the first replayed layer checks (not the parameters' device: FSDP1
+        without ``use_orig_params`` leaves routers with no parameters, FSDP2's ``offload_policy`` keeps them on the
+        host). Expert ids are checked on that device; ``replay_metrics`` raises for one out of range."""
         targets = self._checked_routes(routed_experts)
         for slot in self._slots.values():
             slot.targets = targets[:, slot.layer]
@@ -245,13 +248,13 @@ class RoutingReplay:
             return
         bypassed = [(module, slot) for module, slot in self._slots.items() if slot.layer not in self._layers_replayed]
         if bypassed:
-            module, slot = bypassed[0]
-            if type(module).__name__ in SIGMOID_GROUP_MOE_BLOCKS:
-                what = f"the MoE block {slot.name} ({type(module).__name__}) did not call its route_tokens_to_experts"
+            _, slot = bypassed[0]
+            if slot.kind in SIGMOID_GROUP_MOE_BLOCKS:
+                what = f"the MoE block {slot.name} ({slot.kind}) did not call its route_tokens_to_experts"
             else:
                 block = slot.name.rsplit(".", 1)[0]
                 what = (f"the MoE block {block} ({type(self.model.get_submodule(block)).__name__}) did not call its "
-                        f"router {slot.name} ({type(module).__name__})")  # fmt: skip
+                        f"router {slot.name} ({slot.kind})")  # fmt: skip
             raise RoutingReplayError(
                 f"routing replay was armed for {len(self._slots)} MoE layers, but in layer {slot.layer} {what}, so "
                 f"the layer routed natively under R3 (layers not replayed: {sorted(s.layer for _, s in bypassed)}). "
@@ -290,7 +293,7 @@ class RoutingReplay:
         indices = self._choose(router, native)
         if indices is native:
             return output
-        return logits, TOPK_ROUTER_RULES[type(router).__name__](router, logits, indices), indices
+        return logits, TOPK_ROUTER_RULES[self._slots[router].kind](router, logits, indices), indices
 
     def _routed_sigmoid_group(self, block: nn.Module, router_logits: torch.Tensor):
         native, weights = type(block).route_tokens_to_experts(block, router_logits)
@@ -313,6 +316,11 @@ class RoutingReplay:
             slot.targets = None  # a native forward: earlier targets no longer belong to any pending backward
             return native
         targets = slot.targets
+        if targets.device != native.device:  # the device the layer computes on, whatever holds its parameters
+            raise RoutingReplayError(
+                f"routed_experts are on {targets.device} but layer {slot.layer} routes on {native.device}: move them "
+                "with the micro-batch"
+            )
         if targets.shape[0] != native.shape[0]:
             raise RoutingReplayError(
                 f"routes cover {targets.shape[0]} tokens but layer {slot.layer} routes {native.shape[0]}: pass "
@@ -338,21 +346,12 @@ class RoutingReplay:
                 f"routed_experts has shape {tuple(routes.shape)}; expected [..., num_hidden_layers="
                 f"{self.num_layers}, top_k={self.top_k}]"
             )
-        device = self._device()
-        if routes.device != device:
-            raise RoutingReplayError(
-                f"routed_experts are on {routes.device} but the model is on {device}: move them with the micro-batch"
-            )
         flat = routes.reshape(-1, self.num_layers, self.top_k).long()
         # rows with an expert id outside [0, num_experts) of their layer: routed natively, counted on the device and
         # refused by replay_metrics (a device-side assert would leave the CUDA context unusable, without the message)
-        valid = torch.logical_and(flat >= 0, flat < self._limits_on(device)).all(dim=-1, keepdim=True)
+        valid = torch.logical_and(flat >= 0, flat < self._limits_on(flat.device)).all(dim=-1, keepdim=True)
         self._invalid = torch.count_nonzero(~valid)
         return torch.where(valid, flat, 0)
-
-    def _device(self) -> torch.device:
-        module = next(iter(self._slots))
-        return next(module.parameters()).device
 
     def _limits_on(self, device: torch.device) -> torch.Tensor:
         """int64 ``[num_layers, 1]`` on ``device``: the exclusive upper bound of a valid expert id per decoder layer
@@ -378,4 +377,14 @@ def _layer_of(module_name: str) -> int:
 def _inside_supported_block(name: str, model: nn.Module) -> bool:
     """A router inside a supported MoE block (e.g. DeepSeek-V3's ``gate``) is replayed through its block."""
     parent = name.rsplit(".", 1)[0] if "." in name else ""
-    return type(model.get_submodule(parent)).__name__ in SIGMOID_GROUP_MOE_BLOCKS
+    return _family(model.get_submodule(parent)) in SIGMOID_GROUP_MOE_BLOCKS
+
+
+def _family(module: nn.Module) -> str:
+    """The class name that decides how ``module`` routes: the first supported family in its class hierarchy (PEFT's
+    LoRA on a router's weight runs the router as a ``torch.nn.utils.parametrize`` subclass,
+    ``Parametrized<Router>``), else its own class name."""
+    for cls in type(module).__mro__:
+        if cls.__name__ in TOPK_ROUTER_RULES or cls.__name__ in SIGMOID_GROUP_MOE_BLOCKS:
+            return cls.__name__
+    return type(module).__name__

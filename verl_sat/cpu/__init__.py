@@ -53,9 +53,10 @@ def activate() -> None:
             f"platform was registered: set {PLATFORM_ENV}={PLATFORM_NAME} before anything imports verl's engines"
         )
 
-    from verl_sat.cpu import patches
+    from verl_sat.cpu import packed_attention, patches
 
     patches.apply()
+    packed_attention.register()  # attn_implementation=packed_sdpa: Ulysses sequence parallelism on the CPU
 
     from verl.checkpoint_engine.base import CheckpointEngineRegistry
     from verl.workers.engine.base import EngineRegistry

@@ -24,12 +24,22 @@ run's processes (``verl_sat.cpu.activate``). Each one is pinned by a test on the
 3. Outside bypass mode with ``parameter_sync_step > 1`` the trainer snapshots the policy with
    ``fsdp2_sharded_save_to_cpu`` (``param.detach().cpu()``), which on a CPU returns the parameter itself: the
    "snapshot" would follow every optimizer step. The snapshot is cloned.
+4. verl's FSDP1 engine (``strategy=fsdp``, verl's default) wraps with ``sync_module_states=True``; torch refuses
+   that for parameters on the CPU (``_check_module_states_for_sync_module_states``: NCCL cannot broadcast host
+   tensors), although the broadcast itself runs over gloo. The check lets CPU tensors pass and still refuses a mix
+   with accelerator tensors.
+5. verl's ``load_fsdp_model_to_gpu`` moves FSDP1's flat parameters to ``torch.device(f"{device_name}:{device_id}")``,
+   which on the CPU is ``"cpu:cpu"``, an invalid device (verl's FSDP1 engine calls it before exporting weights and
+   under param offload). In a CPU run the flat parameters never leave the host, so the FSDP engine's call returns at
+   once for FSDP1 modules; FSDP2 modules still go to verl's function.
 """
 
 import functools
 
+import torch
 import torch.distributed
 from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.fsdp import _init_utils as fsdp1_init
 
 _PATCHED = "_verl_sat_cpu_patched"
 
@@ -65,6 +75,32 @@ def copying_sharded_save(save):
     return sharded_save_to_cpu
 
 
+def host_sync_check(check):
+    """FSDP1's ``sync_module_states`` check that lets module states on the CPU pass (gloo broadcasts them); any other
+    set of states goes to ``check``."""
+
+    @functools.wraps(check)
+    def check_module_states(module_states: list[torch.Tensor]) -> None:
+        if any(tensor.device.type != "cpu" for tensor in module_states):
+            check(module_states)
+
+    setattr(check_module_states, _PATCHED, True)
+    return check_module_states
+
+
+def host_resident_fsdp1_load(load):
+    """verl's ``load_fsdp_model_to_gpu`` that leaves FSDP1 modules where they are (on the host)."""
+    from verl.utils.fsdp_utils import fsdp_version
+
+    @functools.wraps(load)
+    def load_fsdp_model_to_gpu(model) -> None:
+        if fsdp_version(model) != 1:
+            load(model)
+
+    setattr(load_fsdp_model_to_gpu, _PATCHED, True)
+    return load_fsdp_model_to_gpu
+
+
 def apply() -> None:
     """Apply the patches (idempotent)."""
     from verl.utils import fsdp_utils
@@ -74,6 +110,11 @@ def apply() -> None:
         fsdp_utils.fsdp2_sharded_save_to_cpu = copying_sharded_save(fsdp_utils.fsdp2_sharded_save_to_cpu)
 
     transformer_impl.CPUOffloadPolicy = unpinned_offload_policy
+    if not getattr(transformer_impl.load_fsdp_model_to_gpu, _PATCHED, False):
+        transformer_impl.load_fsdp_model_to_gpu = host_resident_fsdp1_load(transformer_impl.load_fsdp_model_to_gpu)
+    check = fsdp1_init._check_module_states_for_sync_module_states
+    if not getattr(check, _PATCHED, False):
+        fsdp1_init._check_module_states_for_sync_module_states = host_sync_check(check)
     init = torch.distributed.init_process_group
     if getattr(init, _PATCHED, False):
         return
