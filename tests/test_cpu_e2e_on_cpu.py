@@ -37,7 +37,7 @@ from verl_sat.cpu.e2e import (
 
 
 def test_verls_async_trainer_runs_sat_gspo_with_fsdp_routing_replay_on_vllm(tiny_workdir, tmp_path):
-    base = next(run for run in RUNS if run.folder_name == "separate_async-sat_gspo_r3-lag1")
+    base = next(run for run in RUNS if run.folder_name == "separate_async-sat_gspo_r3-lag1-fsdp1")
     run = E2ERun(base.trainer, base.name, base.recipe_args, steps=2, resume=False, required=base.required)
     result = run_e2e(tiny_workdir, (run,), out=tmp_path)[run.folder_name]  # raises, naming the log, on any failure
     steps = result["steps"]
@@ -61,7 +61,7 @@ def test_verls_async_trainer_runs_sat_gspo_with_fsdp_routing_replay_on_vllm(tiny
 def test_a_second_make_e2e_starts_each_run_clean(tmp_path):
     """A run's folder is emptied before it starts: the previous ``make e2e``'s ``global_step_3`` must not be resumed
     past the new run's step budget."""
-    stale = tmp_path / "e2e" / "separate_async-sat_gspo_r3-lag1" / "checkpoints" / "global_step_3"
+    stale = tmp_path / "e2e" / "separate_async-sat_gspo_r3-lag1-fsdp1" / "checkpoints" / "global_step_3"
     stale.mkdir(parents=True)
     (stale.parent / "latest_checkpointed_iteration.txt").write_text("3")
     folder = fresh_folder(stale.parent.parent)

@@ -167,8 +167,9 @@ def test_legacy_trainer_with_bypass_is_refused():
 @pytest.mark.parametrize("recipe", [r for r in ROWS if r.endswith("_r3")])
 def test_fsdp_r3_composes_and_builds(recipe):
     """``r3=fsdp`` selects verl-sat's FSDP routing replay through verl-sat's router-replay config (the same for the
-    recipes without a SAT ``_target_``); the reference model routes natively."""
+    recipes without a SAT ``_target_``) on verl's default actor strategy, FSDP1; the reference model routes natively."""
     cfg = compose_recipe(recipe, "lag8", "r3=fsdp", config_name="ppo_trainer")
+    assert cfg.actor_rollout_ref.actor.strategy == "fsdp"  # verl's default, untouched by the recipe
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert type(actor.fsdp_config.router_replay) is FSDPRouterReplayConfig
     assert actor.fsdp_config.router_replay.mode == "R3" and actor.engine.router_replay.mode == "R3"

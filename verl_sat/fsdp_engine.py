@@ -14,8 +14,11 @@
 """Rollout routing replay (R3) under verl's FSDP engine for Hugging Face MoE models.
 
 ``actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3`` (verl's own ``EngineRouterReplayConfig``) makes the
-actor replay the ``routed_experts`` the rollout engine returned, in both ``compute_log_prob`` and the update. The
-reference model has its own engine config and keeps native routing.
+actor replay the ``routed_experts`` the rollout engine returned, in both ``compute_log_prob`` and the update, on every
+engine configuration verl builds (FSDP1 and FSDP2, offload, gradient checkpointing, LoRA, Ulysses, dynamic batching).
+A separate reference model has its own engine config and keeps native routing. Under LoRA verl computes the reference
+log-probs in the actor with the adapters off (``compute_log_prob`` with ``no_lora_adapter``): that pass replays too,
+as in verl's Megatron R3, so the KL term compares actor and reference on the same routes.
 
 verl 0.9.1's FSDP engine ignores ``routed_experts``. ``RoutingReplayFSDPEngine`` subclasses its
 ``FSDPEngineWithLMHead``; ``register_engine`` puts it in verl's ``EngineRegistry`` when a job's router-replay config

@@ -32,13 +32,19 @@ run's processes (``verl_sat.cpu.activate``). Each one is pinned by a test on the
    which on the CPU is ``"cpu:cpu"``, an invalid device (verl's FSDP1 engine calls it before exporting weights and
    under param offload). In a CPU run the flat parameters never leave the host, so the FSDP engine's call returns at
    once for FSDP1 modules; FSDP2 modules still go to verl's function.
+6. verl's FSDP1 engine wraps a forward-only model (the reference policy) with ``CPUOffload(offload_params=True)``,
+   imported from ``torch.distributed.fsdp`` when it builds the module; FSDP1 then pins the host copy, which needs an
+   accelerator. In a CPU run ``torch.distributed.fsdp.CPUOffload`` is a subclass that never offloads (the parameters
+   are on the host already), as patch 2 does for FSDP2.
 """
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed
-from torch.distributed.fsdp import CPUOffloadPolicy
+import torch.distributed.fsdp
+from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy
 from torch.distributed.fsdp import _init_utils as fsdp1_init
 
 _PATCHED = "_verl_sat_cpu_patched"
@@ -73,6 +79,15 @@ def copying_sharded_save(save):
 
     setattr(sharded_save_to_cpu, _PATCHED, True)
     return sharded_save_to_cpu
+
+
+@dataclass
+class HostResidentOffload(CPUOffload):
+    """FSDP1's ``CPUOffload`` for a CPU run: ``offload_params`` is always false (the parameters never leave the
+    host, and offloading them would pin memory)."""
+
+    def __post_init__(self) -> None:
+        self.offload_params = False
 
 
 def host_sync_check(check):
@@ -112,6 +127,7 @@ def apply() -> None:
     transformer_impl.CPUOffloadPolicy = unpinned_offload_policy
     if not getattr(transformer_impl.load_fsdp_model_to_gpu, _PATCHED, False):
         transformer_impl.load_fsdp_model_to_gpu = host_resident_fsdp1_load(transformer_impl.load_fsdp_model_to_gpu)
+    torch.distributed.fsdp.CPUOffload = HostResidentOffload
     check = fsdp1_init._check_module_states_for_sync_module_states
     if not getattr(check, _PATCHED, False):
         fsdp1_init._check_module_states_for_sync_module_states = host_sync_check(check)
