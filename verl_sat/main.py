@@ -34,12 +34,13 @@ from importlib.util import find_spec
 
 from omegaconf import DictConfig
 
-from verl_sat import trainer_fixes
+from verl_sat import lag_presets, trainer_fixes
 from verl_sat.preflight import (
     PreflightError,
     check_config,
     check_sizes,
     check_trainer_device,
+    check_trainer_startup,
     lag_preset_for_trainer,
     selected_trainer,
 )
@@ -154,6 +155,7 @@ def compose_from_args(args: list[str]) -> DictConfig:
 
     parsed = get_args_parser().parse_args(args)
     entry = entry_for(args)
+    lag_presets.register(parsed.overrides)  # +lag=lagN / fixedN for any N
     global_hydra = GlobalHydra.instance()
     outer = global_hydra.hydra if global_hydra.is_initialized() else None
     try:
@@ -202,6 +204,8 @@ def main() -> None:
                 print(f"verl-sat: warning: {warning}", file=sys.stderr)
             check_trainer_device(config)
             check_sizes(config)
+            for warning in check_trainer_startup(config):
+                print(f"verl-sat: warning: {warning}", file=sys.stderr)
         except (PreflightError, HydraException) as err:  # Hydra's message lists e.g. the valid recipe names
             sys.exit(f"verl-sat: {err}")
         entry = FULLY_ASYNC_ENTRY if selected_trainer(config) == "fully_async" else PPO_ENTRY

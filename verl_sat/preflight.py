@@ -295,8 +295,7 @@ def check_sizes(config: DictConfig) -> None:
       parallel size, holds the longest sequence, ``data.max_prompt_length + data.max_response_length`` (verl asserts
       it per micro-batch).
     - Megatron: TP x PP x CP and ETP x EP x PP divide the trainer's GPUs (ETP defaults to TP, as in Megatron-core).
-    - The rollout's TP x DP x PP divides the rollout GPUs (its own pool when ``rollout.nnodes > 0``, else the
-      trainer's).
+    - The rollout's TP x DP x PP divides the rollout GPUs (``rollout_pool``: its own pool, else the trainer's).
     - ``actor.ppo_mini_batch_size`` divides ``data.train_batch_size``, and a mini-batch's samples
       (``ppo_mini_batch_size x rollout.n``) divide over the data-parallel ranks.
     """
@@ -306,13 +305,10 @@ def check_sizes(config: DictConfig) -> None:
     data_parallel = trainer_gpus // _sequence_parallel(actor)
     if actor.strategy == "megatron":
         data_parallel = trainer_gpus // _check_megatron_sizes(actor.megatron, trainer_gpus)
-    separate = rollout.get("nnodes", 0) > 0
-    rollout_gpus = rollout.nnodes * rollout.n_gpus_per_node if separate else trainer_gpus
+    rollout_gpus, pool = rollout_pool(config) or (trainer_gpus, "trainer.nnodes x trainer.n_gpus_per_node, shared "
+                                                                "with training")  # fmt: skip
     sizes = [rollout.get(f"{name}_parallel_size") or 1 for name in ("tensor_model", "data", "pipeline_model")]
     if rollout_gpus % math.prod(sizes):
-        pool = "actor_rollout_ref.rollout.nnodes x n_gpus_per_node"
-        if not separate:
-            pool = "trainer.nnodes x trainer.n_gpus_per_node, shared with training"
         raise PreflightError(
             "actor_rollout_ref.rollout.{tensor_model,data,pipeline_model}_parallel_size = "
             f"{' x '.join(map(str, sizes))} does not divide the {rollout_gpus} rollout GPUs ({pool})"
@@ -330,6 +326,81 @@ def check_sizes(config: DictConfig) -> None:
             f"actor_rollout_ref.rollout.n = {mini} x {rollout.n}) do not divide over the trainer's {data_parallel} "
             "data-parallel ranks, as verl's workers assert"
         )
+
+
+def rollout_pool(config: DictConfig) -> tuple[int, str] | None:
+    """The rollout's own GPUs as the selected trainer reads them, and the keys that set them; ``None`` when rollout
+    shares the trainer's GPUs. verl's fully-async trainer keeps its pool at the top-level ``rollout.nnodes`` /
+    ``rollout.n_gpus_per_node`` and copies them into ``actor_rollout_ref.rollout`` only inside its own ``main``
+    (``fully_async_main.py``), after this check; the v1 trainers read ``actor_rollout_ref.rollout``."""
+    if selected_trainer(config) == FULLY_ASYNC:
+        return config.rollout.nnodes * config.rollout.n_gpus_per_node, "rollout.nnodes x rollout.n_gpus_per_node"
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.get("nnodes", 0) > 0:
+        return rollout.nnodes * rollout.n_gpus_per_node, "actor_rollout_ref.rollout.nnodes x n_gpus_per_node"
+    return None
+
+
+def check_trainer_startup(config: DictConfig) -> list[str]:
+    """For verl's trainer (``python -m verl_sat.main``): what the selected trainer asserts as it starts, after Ray
+    is up, checked from the config before (each failure names the keys and the numbers; the mirrored asserts are
+    pinned to verl's code by ``tests/test_preflight_trainers_on_cpu.py``). Returns the warnings."""
+    if selected_trainer(config) != "separate_async":
+        return []
+    _check_separate_async(config)
+    return separate_async_lag_warnings(config)
+
+
+def _check_separate_async(config: DictConfig) -> None:
+    """``PPOTrainerSeparateAsync.__init__``'s asserts (verl 0.9.1, ``trainer_separate_async.py``)."""
+    from verl.trainer.ppo.utils import need_reward_model
+
+    batch, mini = config.data.train_batch_size, config.actor_rollout_ref.actor.ppo_mini_batch_size
+    sync = config.trainer.v1.separate_async.parameter_sync_step
+    if batch != sync * mini:
+        raise PreflightError(
+            f"data.train_batch_size={batch} but trainer.v1.separate_async.parameter_sync_step x "
+            f"actor_rollout_ref.actor.ppo_mini_batch_size = {sync} x {mini} = {sync * mini}: verl's separate-async "
+            "trainer asserts they are equal (one trainer step = parameter_sync_step mini-batches, then a broadcast). "
+            "The +lag presets derive the mini-batch from the batch: drop the ppo_mini_batch_size override, or set "
+            f"data.train_batch_size={sync * mini}"
+        )
+    rollout = config.actor_rollout_ref.rollout
+    for key in ("nnodes", "n_gpus_per_node"):
+        if not (rollout.get(key) or 0) > 0:
+            raise PreflightError(
+                f"actor_rollout_ref.rollout.{key}={rollout.get(key)!r}: verl's separate-async trainer asserts > 0 (its "
+                "rollout runs on its own GPU pool, actor_rollout_ref.rollout.nnodes x n_gpus_per_node)"
+            )
+    backend = rollout.checkpoint_engine.get("backend")
+    if backend == "naive":
+        raise PreflightError(
+            "actor_rollout_ref.rollout.checkpoint_engine.backend='naive': verl's separate-async trainer refuses it "
+            "(the weights go to a separate rollout pool): use nccl, nixl, mooncake, ... (the +lag presets set nccl)"
+        )
+    if need_reward_model(config) and not config.reward.reward_model.get("enable_resource_pool", False):
+        raise PreflightError(
+            "reward.reward_model.enable_resource_pool=false with a reward model: verl's separate-async trainer "
+            "asserts a standalone reward model (its rollout never pauses to free GPU memory); set "
+            "reward.reward_model.enable_resource_pool=true"
+        )
+
+
+def separate_async_lag_warnings(config: DictConfig) -> list[str]:
+    """verl's separate-async trainer keeps a lag preset's gap only while generation outpaces training."""
+    sync = config.trainer.v1.separate_async.parameter_sync_step
+    ahead = config.trainer.v1.separate_async.num_warmup_batches
+    low = ahead * sync  # rollout runs `ahead` trainer steps of `sync` optimizer steps ahead
+    gap = f"{low}" if sync == 1 else f"{low}..{low + sync - 1}"
+    return [
+        f"trainer.v1.separate_async.parameter_sync_step={sync} with num_warmup_batches={ahead}: verl's separate-async "
+        f"trainer gives the gap {gap} optimizer steps only while generation outpaces training. At each broadcast it "
+        "aborts the requests in flight and resumes them with the new weights (checkpoint_engine/base.py), and its "
+        "sampler trains this step's fresh prompts when the older batch is unfinished (replay_buffer.py), so the gap "
+        "falls below the lag when generation is slower. training/off_policy/trajectory_spans/mean above 1 counts the "
+        "resumed trajectories, trajectory_staleness/mean below its max the fresh ones. The exact regime there is "
+        "+lag=sync on the sync trainer"
+    ]
 
 
 def _check_token_budgets(config: DictConfig) -> None:

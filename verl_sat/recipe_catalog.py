@@ -19,7 +19,8 @@ from importlib.resources import files
 
 RECIPE_GROUPS = ("recipe", "lag", "radii", "r3", "cpu")  # listed by `verl-sat recipes`
 GROUP_USAGE = {"recipe": "+recipe=NAME",
-               "lag": "+lag=NAME (any trainer: python -m verl_sat.main picks lag/<trainer>/NAME; docs/recipes.md)",
+               "lag": "+lag=NAME (any trainer: python -m verl_sat.main picks lag/<trainer>/NAME; lagN and fixedN "
+                      "for any N >= 1; docs/recipes.md)",
                "radii": "+radii=NAME", "r3": "r3=NAME (with *_r3)",
                "cpu": "+cpu=NAME (with trainer.device=cpu)"}  # fmt: skip
 
