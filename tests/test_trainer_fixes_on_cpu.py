@@ -12,8 +12,9 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """``verl_sat.trainer_fixes``: the verl code each fix works around, pinned (the test fails when verl 0.9.1's code
-changes), the fix's effect, and where it applies: in every process of a run started by ``python -m verl_sat.main``
-(GPU runs too), in no other verl job."""
+changes), the fix's effect, and where and when it applies: in every process of a run started by
+``python -m verl_sat.main`` (GPU runs too), in no other verl job, and only once verl's module it fixes is imported
+(``import verl`` alone loads no trainer)."""
 
 import inspect
 import logging
@@ -31,12 +32,33 @@ from verl_sat.main import worker_env_overrides
 from verl_sat.upstream.trainer_fix_patch import FLUSH_CALL_END
 
 APPLIED_PROBE = (
-    "import verl\n"
+    "import sys, verl\n"
+    "from verl_sat.trainer_fixes import SEPARATE_ASYNC, FixOnImport, FlushTolerantLogger\n"
+    "print('imported by import verl:', SEPARATE_ASYNC in sys.modules)\n"
+    "print('hooks:', sum(isinstance(finder, FixOnImport) for finder in sys.meta_path))\n"
     "from verl.trainer.ppo.v1 import trainer_separate_async as m\n"
-    "from verl_sat.trainer_fixes import FlushTolerantLogger\n"
+    "print('loader:', type(m.__loader__).__name__, type(m.__spec__.loader).__name__)\n"
     "m.logger.info('probe', flush=True)\n"
-    "print(isinstance(m.logger, FlushTolerantLogger))\n"
+    "print('patched:', isinstance(m.logger, FlushTolerantLogger))\n"
 )
+# verl imported in a process that is not a verl_sat.main run (no hook), the trainer too; then install, twice
+ALREADY_IMPORTED_PROBE = (
+    "import logging, sys, verl\n"
+    "from verl.trainer.ppo.v1 import trainer_separate_async as m\n"
+    "from verl_sat import trainer_fixes\n"
+    "trainer_fixes.install()\n"
+    "trainer_fixes.install()\n"
+    "m.logger.info('probe', flush=True)\n"
+    "print(isinstance(m.logger, trainer_fixes.FlushTolerantLogger), isinstance(m.logger.logger, logging.Logger),\n"
+    "      sum(isinstance(finder, trainer_fixes.FixOnImport) for finder in sys.meta_path))\n"
+)
+
+
+def _env(fixes: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in (trainer_fixes.FIXES_ENV, "VERL_LOGGING_LEVEL")}
+    if fixes:
+        env[trainer_fixes.FIXES_ENV] = "1"
+    return env
 
 
 def test_pinned_flush_keyword_to_logging_at_info_level():
@@ -51,16 +73,36 @@ def test_pinned_flush_keyword_to_logging_at_info_level():
 
 
 @pytest.mark.parametrize("fixes", [True, False])
-def test_fix_applies_only_in_a_verl_sat_main_process(fixes):
-    env = {k: v for k, v in os.environ.items() if k not in (trainer_fixes.FIXES_ENV, "VERL_LOGGING_LEVEL")}
-    if fixes:
-        env[trainer_fixes.FIXES_ENV] = "1"
-    run = subprocess.run([sys.executable, "-c", APPLIED_PROBE], env=env, capture_output=True, text=True)
+def test_fix_applies_only_in_a_verl_sat_main_process_when_the_trainer_is_imported(fixes):
+    run = subprocess.run([sys.executable, "-c", APPLIED_PROBE], env=_env(fixes), capture_output=True, text=True)
+    lines = run.stdout.splitlines()
+    assert lines[0] == "imported by import verl: False", run.stderr[-2000:]  # the plugin loads no trainer
+    assert lines[1] == f"hooks: {int(fixes)}"
     if fixes:
         assert run.returncode == 0, run.stderr[-2000:]
-        assert run.stdout.strip().endswith("True")
+        assert lines[2] == "loader: SourceFileLoader SourceFileLoader"  # the hook leaves the module verl's own loader
+        assert lines[3] == "patched: True"
     else:  # verl as it ships: the call raises
         assert run.returncode == 1 and "TypeError" in run.stderr and "flush" in run.stderr
+
+
+def test_install_fixes_a_module_already_imported_once():
+    run = subprocess.run([sys.executable, "-c", ALREADY_IMPORTED_PROBE], env=_env(False), capture_output=True,
+                         text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["True", "True", "1"]
+
+
+def test_the_hook_answers_only_for_the_fixed_modules():
+    assert set(trainer_fixes.FIXES) == {trainer_fixes.SEPARATE_ASYNC}
+    assert trainer_fixes.SEPARATE_ASYNC == trainer_separate_async.__name__
+    hook = trainer_fixes.FixOnImport()
+    for name in ("verl.trainer.ppo.v1", "verl.trainer.ppo.core_algos", "verl.trainer.ppo.v1.trainer_colocate_async"):
+        assert hook.find_spec(name, None) is None
+    spec = hook.find_spec(trainer_fixes.SEPARATE_ASYNC, sys.modules["verl.trainer.ppo.v1"].__path__)
+    assert spec is not None and spec.origin == trainer_separate_async.__file__
+    assert isinstance(spec.loader, trainer_fixes._FixAfterExec)
+    assert spec.loader.get_filename(trainer_fixes.SEPARATE_ASYNC) == trainer_separate_async.__file__
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
