@@ -16,11 +16,14 @@ changes), the fix's effect, and where and when it applies: in every process of a
 ``python -m verl_sat.main`` (GPU runs too), in no other verl job, and only once verl's module it fixes is imported
 (``import verl`` alone loads no trainer)."""
 
+import ast
+import importlib.util
 import inspect
 import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -29,7 +32,11 @@ from verl.trainer.ppo.v1 import trainer_separate_async
 
 from verl_sat import trainer_fixes
 from verl_sat.main import worker_env_overrides
+from verl_sat.upstream.rollout_fix_patch import FLUSH_CALL as SGLANG_FLUSH_CALL
 from verl_sat.upstream.trainer_fix_patch import FLUSH_CALL_END
+
+# imports sglang at its top, which is not installed here: read as text, never imported
+SGLANG_HTTP_ENGINE = "verl.workers.rollout.sglang_rollout.http_server_engine"
 
 APPLIED_PROBE = (
     "import sys, verl\n"
@@ -114,3 +121,40 @@ def test_every_ray_worker_of_a_verl_sat_main_run_gets_the_fixes(device):
     # Ray takes only strings as environment values: the overrides compose to strings
     parser = OverridesParser.create()
     assert all(isinstance(parser.parse_override(override).value(), str) for override in overrides)
+
+
+def test_pinned_sglang_launch_server_process_passes_flush_to_logging():
+    """The same bug in SGLang's HTTP engine (fixed upstream by the series' ``[rollout] fix:`` patch), pinned on the
+    file's text: ``launch_server_process`` on a rank that does not start the server logs with ``flush=True``."""
+    source = Path(importlib.util.find_spec(SGLANG_HTTP_ENGINE).origin).read_text()
+    assert source.count(SGLANG_FLUSH_CALL) == 1
+    (function,) = [n for n in ast.parse(source).body if getattr(n, "name", None) == "launch_server_process"]
+    assert SGLANG_FLUSH_CALL in ast.get_source_segment(source, function)
+    assert "if server_args.node_rank != 0 or not first_rank_in_node:" in ast.get_source_segment(source, function)
+    # at verl's default level for the module (WARN) the record is never built, so the keyword is not refused
+    assert 'logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))' in source
+
+
+def test_verl_never_reaches_sglangs_launch_server_process():
+    """Why ``verl_sat.trainer_fixes`` has no run-time fix for it: in verl 0.9.1 only ``HttpServerAdapter.__init__``
+    calls ``launch_server_process`` (when built with ``launch_server=True``), and verl's one construction of an adapter,
+    the SGLang rollout's ``ServerAdapter``, passes ``launch_server=False``. Fails when verl starts calling it."""
+    root = Path(importlib.util.find_spec("verl").origin).parent
+    names = {"HttpServerAdapter", "AsyncHttpServerAdapter", "launch_server_process"}
+    calls = set()
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        if not any(name in text for name in names):
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name in names:
+                    keywords = {k.arg: ast.unparse(k.value) for k in node.keywords}
+                    calls.add((path.relative_to(root).as_posix(), name, keywords.get("launch_server")))
+    assert calls == {
+        ("workers/rollout/sglang_rollout/http_server_engine.py", "launch_server_process", None),
+        ("workers/rollout/sglang_rollout/sglang_rollout.py", "AsyncHttpServerAdapter", "False"),
+    }, "verl may now reach SGLang's launch_server_process: give it a run-time fix in verl_sat.trainer_fixes"
+    engine = (root / "workers/rollout/sglang_rollout/http_server_engine.py").read_text()
+    assert "if launch_server:\n            self.process: multiprocessing.Process = launch_server_process(" in engine

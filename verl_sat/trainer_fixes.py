@@ -24,6 +24,11 @@ never imports verl's trainer (a vLLM worker, say) never loads it on verl-sat's a
 1. verl's separate-async trainer (``verl.trainer.ppo.v1.trainer_separate_async``) logs ``logger.info(..., flush=True)``
    when ``actor_rollout_ref.hybrid_engine=False`` (rollout only on its standalone replicas), and Python's ``logging``
    refuses the keyword: the trainer's set-up raises ``TypeError``. The module's logger drops the keyword.
+
+Not fixed here: the same keyword in SGLang's ``launch_server_process``
+(``verl/workers/rollout/sglang_rollout/http_server_engine.py``), which verl 0.9.1 never calls (its SGLang rollout
+builds the HTTP adapter with ``launch_server=False``); the test pins that, and the series' ``[rollout] fix:`` patch
+fixes it upstream.
 """
 
 import importlib.abc
