@@ -12,10 +12,11 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """``verl-sat upstream``: the patch series applies to verl 0.9.1's installed source, and in that patched copy, in a
-fresh interpreter where verl-sat cannot be imported, the SAT loss tests, the FSDP routing-replay tests and verl's
-own policy-loss tests pass; the series is byte-for-byte deterministic; the patched Python is formatted and lint-clean;
-a verl that moved the edited code makes generation fail, naming the file."""
+fresh interpreter where verl-sat cannot be imported, the SAT loss tests, the FSDP routing-replay tests, the logging
+tests of the two fixes and verl's own policy-loss tests pass; the series is byte-for-byte deterministic; the patched
+Python is formatted and lint-clean; a verl that moved the edited code makes generation fail, naming the file."""
 
+import ast
 import email
 import email.policy
 import os
@@ -30,11 +31,12 @@ from omegaconf import OmegaConf
 
 from verl_sat.cli import main as cli_main
 from verl_sat.preflight import check_sizes
-from verl_sat.upstream import LOGGING_TEST, PATCHES, R3_TEST, SAT_TEST, write_upstream
+from verl_sat.upstream import LOGGING_TEST, PATCHES, R3_TEST, ROLLOUT_LOGGING_TEST, SAT_TEST, write_upstream
 from verl_sat.upstream.edit import UpstreamDriftError
 from verl_sat.upstream.examples import SCRIPTS
 from verl_sat.upstream.generated_configs import CONFIG_DIR, GENERATED, regenerate
 from verl_sat.upstream.pr_text import UPSTREAM_TESTS
+from verl_sat.upstream.rollout_fix_patch import FIXED_CALL, FLUSH_CALL, HTTP_SERVER_ENGINE
 from verl_sat.upstream.sat_patch import CORE_ALGOS, key_mapping, sat_changes
 from verl_sat.upstream.series import verl_site_root
 from verl_sat.upstream.trainer_fix_patch import SEPARATE_ASYNC
@@ -88,17 +90,26 @@ def test_generated_trainer_configs_are_reproduced_from_verls_config_tree(tmp_pat
         assert text == (site / path).read_text(), path
 
 
-def test_series_has_three_patches_and_a_pr_text(series):
+def test_series_has_four_patches_and_a_pr_text(series):
     out, patches, _ = series
-    assert [p.name[:5] for p in patches] == ["0001-", "0002-", "0003-"]
+    assert [p.name[:5] for p in patches] == ["0001-", "0002-", "0003-", "0004-"]
     texts = [p.read_text() for p in patches]
     # git folds a long Subject header over two lines; the e-mail parser unfolds it as git am does
     subjects = [email.message_from_string(text, policy=email.policy.default)["Subject"] for text in texts]
-    assert subjects == [f"[PATCH {i}/3] {patch.subject}" for i, patch in enumerate(PATCHES, 1)]
-    assert [patch.subject.split(":")[0] for patch in PATCHES] == ["[algo] feat", "[fsdp] feat", "[trainer] fix"]
+    assert subjects == [f"[PATCH {i}/4] {patch.subject}" for i, patch in enumerate(PATCHES, 1)]
+    assert [patch.subject.split(":")[0] for patch in PATCHES] == [
+        "[algo] feat",
+        "[fsdp] feat",
+        "[trainer] fix",
+        "[rollout] fix",
+    ]
     for path in (SEPARATE_ASYNC, LOGGING_TEST):
         assert f"diff --git a/{path} b/{path}" in texts[2], path
     assert "-                flush=True,\n" in texts[2]
+    for path in (HTTP_SERVER_ENGINE, ROLLOUT_LOGGING_TEST):
+        assert f"diff --git a/{path} b/{path}" in texts[3], path
+    assert re.findall(r"^diff --git a/(\S+)", texts[3], re.M) == [ROLLOUT_LOGGING_TEST, HTTP_SERVER_ENGINE]
+    assert f"-        {FLUSH_CALL}+        {FIXED_CALL}" in texts[3]
     for path in (
         "verl/trainer/ppo/sat_math.py",
         "verl/trainer/ppo/core_algos.py",
@@ -120,6 +131,9 @@ def test_series_has_three_patches_and_a_pr_text(series):
         assert f"diff --git a/{path} b/{path}" in texts[1], path  # fmt: skip
     pr = (out / "PR.md").read_text()
     assert pr.startswith("# [algo] feat: SAT")
+    assert "The series has 4 patches" in pr and f"4. `{patches[3].name}`: {PATCHES[3].subject}" in pr
+    assert "git am --keep-non-patch 0001-*.patch 0002-*.patch 0003-*.patch 0004-*.patch" in pr
+    assert ROLLOUT_LOGGING_TEST in pr
     for plugin_key, verl_key in key_mapping():
         assert f"| `{plugin_key}` | `{verl_key}` |" in pr
     assert "| SAT-GSPO w/ R3 | 35.83 | 34.79 |" in pr  # the paper's Table 1
@@ -220,7 +234,7 @@ def test_generation_is_deterministic(series, tmp_path):
         assert path.read_bytes() == (out / path.name).read_bytes(), path.name
 
 
-@pytest.mark.parametrize("index", [1, 2])  # routing replay, the trainer fix
+@pytest.mark.parametrize("index", [1, 2, 3])  # routing replay, the trainer fix, the rollout fix
 def test_later_patches_apply_alone_to_verl_0_9_1(series, tmp_path, index):
     _, patches, _ = series
     check = _git_apply(_verl_copy(tmp_path), "--check", str(patches[index]))
@@ -242,8 +256,8 @@ def test_a_verl_that_moved_the_code_fails_generation_naming_the_file():
         sat_changes(read)
 
 
-def test_series_patches_are_the_three_documented():
-    assert [p.subject.split("]")[0] for p in PATCHES] == ["[algo", "[fsdp", "[trainer"]
+def test_series_patches_are_the_four_documented():
+    assert [p.subject.split("]")[0] for p in PATCHES] == ["[algo", "[fsdp", "[trainer", "[rollout"]
 
 
 def test_logging_fix_test_fails_on_unpatched_verl(tmp_path):
@@ -254,3 +268,26 @@ def test_logging_fix_test_fails_on_unpatched_verl(tmp_path):
                          capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
     assert run.returncode == 1, run.stdout[-2000:]
     assert "1 failed, 1 passed" in run.stdout and "trainer/ppo/v1/trainer_separate_async.py:181" in run.stdout
+
+
+def test_rollout_logging_fix_test_fails_on_unpatched_verl(tmp_path):
+    """The rollout patch's test is pinned the same way: on verl 0.9.1 it finds SGLang's ``launch_server_process``
+    call (the file imports sglang, which is not installed here: the test only parses it)."""
+    test = tmp_path / Path(ROLLOUT_LOGGING_TEST).name
+    shutil.copy(REPO / "verl_sat/upstream/templates" / test.name, test)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)],
+                         capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
+    assert run.returncode == 1, run.stdout[-2000:]
+    assert "1 failed, 1 passed" in run.stdout and "rollout/sglang_rollout/http_server_engine.py:144" in run.stdout
+
+
+def test_the_two_logging_tests_share_the_scanner():
+    """The trainer's and the rollout's logging tests go in separate patches, each applying alone, so each carries the
+    scanner; it is the same code in both."""
+
+    def shared(name):
+        tree = ast.parse((REPO / "verl_sat/upstream/templates" / Path(name).name).read_text())
+        return [ast.dump(n) for n in tree.body if not isinstance(n, ast.Expr) and "test_" not in getattr(n, "name", "")]
+
+    assert shared(LOGGING_TEST) == shared(ROLLOUT_LOGGING_TEST)
+    assert any("logging_calls_with_print_keywords" in node for node in shared(LOGGING_TEST))

@@ -18,7 +18,8 @@ them at WARNING so a broken install is visible in every driver and Ray worker. `
 It registers the SAT losses and the recipes' OmegaConf resolvers. Nothing else in verl changes: routing replay under
 the FSDP engine is installed only by a job that asks for it (``verl_sat.config.FSDPRouterReplayConfig``), the CPU
 pieces (``verl_sat.cpu``) only in a process of a CPU run (``VERL_PLATFORM=cpu``), and the fixes of verl bugs
-(``verl_sat.trainer_fixes``) only in a process of a run started by ``python -m verl_sat.main``.
+(``verl_sat.trainer_fixes``) only in a process of a run started by ``python -m verl_sat.main``, each when verl's
+module it fixes is imported.
 """
 
 import logging
@@ -35,7 +36,7 @@ try:
     if verl_sat.cpu.requested():  # a trainer.device=cpu run: VERL_PLATFORM=cpu in every process
         verl_sat.cpu.activate()
     if trainer_fixes.requested():  # a run started by python -m verl_sat.main
-        trainer_fixes.apply()
+        trainer_fixes.install()  # an import hook: each fix acts when verl imports the module it fixes
 except Exception:
     logger.warning("verl-sat plugin failed to load; the sat/sat_gspo losses are NOT registered", exc_info=True)
     raise

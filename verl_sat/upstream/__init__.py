@@ -13,12 +13,12 @@
 # limitations under the License.
 """``verl-sat upstream --out DIR``: SAT and FSDP routing replay as a pull request to verl 0.9.1, generated from this
 package's own source (``series`` builds the commits; ``sat_patch``, ``r3_patch``, ``docs_page`` and ``examples``
-make their files; ``pr_text`` writes ``PR.md``)."""
+make their files; ``trainer_fix_patch`` and ``rollout_fix_patch`` fix verl bugs; ``pr_text`` writes ``PR.md``)."""
 
 from pathlib import Path
 
 import verl_sat
-from verl_sat.upstream import r3_patch, sat_patch, trainer_fix_patch
+from verl_sat.upstream import r3_patch, rollout_fix_patch, sat_patch, trainer_fix_patch
 from verl_sat.upstream.docs_page import SOURCE as DOCS_SOURCE
 from verl_sat.upstream.docs_page import TARGET as DOCS_TARGET
 from verl_sat.upstream.docs_page import docs_page
@@ -31,6 +31,7 @@ TEMPLATES = Path(__file__).parent / "templates"
 SAT_TEST = "tests/trainer/ppo/test_sat_policy_loss_on_cpu.py"
 R3_TEST = "tests/workers/engine/test_fsdp_router_replay_on_cpu.py"
 LOGGING_TEST = trainer_fix_patch.LOGGING_TEST
+ROLLOUT_LOGGING_TEST = rollout_fix_patch.LOGGING_TEST
 
 PATCHES = [
     Patch(
@@ -77,6 +78,21 @@ PATCHES = [
         changes=lambda read, repo: {
             **trainer_fix_patch.logging_fix_changes(read),
             LOGGING_TEST: (TEMPLATES / Path(LOGGING_TEST).name).read_text(),
+        },
+    ),
+    Patch(
+        subject="[rollout] fix: SGLang launch_server_process passed flush= to logging (TypeError at INFO level)",
+        body=(
+            "On a rank that does not start the server (`node_rank != 0` or not `first_rank_in_node`),\n"
+            "`launch_server_process` called `logger.info(..., flush=True)`; Python's logging refuses the keyword, so\n"
+            "with `VERL_LOGGING_LEVEL=INFO` or `DEBUG` an `HttpServerAdapter(launch_server=True)` raised TypeError\n"
+            "there (verl's own rollout passes `launch_server=False` and does not reach it). The keyword is dropped;\n"
+            "a CPU test checks that no logging call under verl/workers/rollout takes print's keywords."
+        ),
+        edits=(rollout_fix_patch.HTTP_SERVER_ENGINE,),
+        changes=lambda read, repo: {
+            **rollout_fix_patch.logging_fix_changes(read),
+            ROLLOUT_LOGGING_TEST: (TEMPLATES / Path(ROLLOUT_LOGGING_TEST).name).read_text(),
         },
     ),
 ]

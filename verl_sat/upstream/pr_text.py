@@ -28,6 +28,7 @@ UPSTREAM_TESTS = (
     "tests/trainer/ppo/test_core_algos_on_cpu.py",
     "tests/trainer/ppo/test_dynamic_policy_losses_on_cpu.py",
     "tests/trainer/ppo/test_trainer_logging_on_cpu.py",
+    "tests/workers/rollout/test_rollout_logging_on_cpu.py",
 )
 MOTIVATION = """\
 Asynchronous RL trains on tokens sampled by an older policy through a different inference engine (and, for MoE
@@ -45,10 +46,11 @@ def pr_markdown(repo: Path, patches: list[tuple[Path, list[str]]], subjects: lis
     if not results_path.is_file():
         raise UpstreamDriftError(f"{results_path} not found: run `verl-sat upstream` from a verl-sat source checkout")
     results = json.loads(results_path.read_text())
+    am_args = " ".join(f"{i:04d}-*.patch" for i in range(1, len(patches) + 1))
     lines = [f"# {subjects[0]}", "", "### What does this PR do?", "", MOTIVATION]
     lines += [
-        "The series has three patches against verl 0.9.1; the second and the third each apply to 0.9.1 on their own",
-        "too and can be sent as their own PRs:",
+        f"The series has {len(patches)} patches against verl 0.9.1; each after the first also applies to 0.9.1 on its",
+        "own and can be sent as its own PR:",
         "",
         *(
             f"{i}. `{path.name}`: {subject}"
@@ -102,6 +104,8 @@ def pr_markdown(repo: Path, patches: list[tuple[Path, list[str]]], subjects: lis
         "# patch 3: the separate-async trainer with rollout only on its standalone replicas starts",
         "python3 -m verl.trainer.main_ppo trainer.v1.trainer_mode=separate_async \\",
         "  actor_rollout_ref.hybrid_engine=False ...",
+        "# patch 4: SGLang's HttpServerAdapter(launch_server=True) on a rank that does not start the server, at",
+        "# VERL_LOGGING_LEVEL=INFO, no longer raises TypeError",
         "```",
         "",
         "`examples/sat_trainer/` has the paper's setup (Megatron with R3, SGLang) and a dense FSDP run;",
@@ -133,7 +137,7 @@ def pr_markdown(repo: Path, patches: list[tuple[Path, list[str]]], subjects: lis
         f"pytest {' '.join(UPSTREAM_TESTS)}",
         "```",
         "",
-        "In a verl checkout: `git am --keep-non-patch 0001-*.patch 0002-*.patch 0003-*.patch`, then",
+        f"In a verl checkout: `git am --keep-non-patch {am_args}`, then",
         "`pre-commit run --all-files` (its `autogen-trainer-cfg` hook regenerates",
         "`verl/trainer/config/_generated_*.yaml`, which the patches already carry) and verl's CPU tests",
         "(`pytest tests/**/*_on_cpu.py`).",
@@ -143,7 +147,8 @@ def pr_markdown(repo: Path, patches: list[tuple[Path, list[str]]], subjects: lis
         "- [x] Read the contribute guide; PR title as `[{modules}] {type}: {description}`",
         "- [x] Apply pre-commit checks (`pre-commit run --all-files`)",
         "- [x] Add / update documentation (`docs/algo/sat.md`)",
-        "- [x] Add unit tests (CPU) for the new losses, config keys and the FSDP routing replay",
+        "- [x] Add unit tests (CPU) for the new losses, config keys and the FSDP routing replay, and for the logging",
+        "  calls of the trainers and rollouts",
         "",
     ]
     return "\n".join(lines)
