@@ -40,8 +40,9 @@ test: install
 
 # verl's own trainers on this CPU for a few steps, rolling out with verl's vLLM server on vLLM's CPU build
 # (separate_async: SAT-GSPO with FSDP routing replay on verl's default FSDP1 at paper lag 1 and its resume, GRPO at
-# paper lag 8; the sync
-# trainer with float32 vLLM, checked after every weight sync; colocate_async with two FSDP ranks; fully-async); checks and prints the SAT, R3, staleness, mismatch and reward metrics verl logged
+# paper lag 8; the sync trainer with float32 vLLM, checked after every weight sync; colocate_async with two FSDP ranks;
+# fully-async); checks and prints the SAT, R3, staleness, mismatch and reward metrics verl logged; then the engine
+# matrix
 e2e: install
 	$(VENV)/bin/verl-sat prepare --workdir $(WORKDIR) --if-needed
 	$(VENV)/bin/verl-sat e2e --workdir $(WORKDIR)
