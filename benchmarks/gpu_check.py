@@ -38,7 +38,7 @@ succeed, or past ``--deadline-s``); the exit status is non-zero unless every sec
 
 On a bare GPU machine (PyTorch with CUDA, transformers, numpy; no verl, no Ray, no network), from the repository root:
 
-    make gpu-check OUT=$OUT               # = python3 benchmarks/gpu_check.py --out $OUT
+    OUT=$OUT make gpu-check               # = PYTHONPATH=. python3 benchmarks/gpu_check.py --out $OUT
     python benchmarks/gpu_check.py --device cpu --quick   # the same code on a CPU (make gpu-check-dryrun, a test)
 
 - verl 0.9.1 and the small packages its loss and config modules import travel as wheels in ``.whl/`` (``make
@@ -150,7 +150,10 @@ def write_json_atomic(path: Path, data: dict) -> None:
 
 def _error_record(error: BaseException) -> dict:
     frames = traceback.format_exception(type(error), error, error.__traceback__, limit=-6)
-    return {"type": type(error).__name__, "message": str(error)[:4000], "traceback": "".join(frames)[-4000:]}
+    record = {"type": type(error).__name__, "message": str(error)[:4000], "traceback": "".join(frames)[-4000:]}
+    if getattr(error, "details", None) is not None:  # what the section measured before it raised
+        record["details"] = error.details
+    return record
 
 
 def _failures(sections: dict) -> list[str]:
@@ -455,16 +458,17 @@ def loaded_distributions(site: Path | None) -> list[dict]:
         origin = getattr(module, "__file__", None) or next(iter(getattr(module, "__path__", []) or []), None)
         if origin is None or getattr(module, "__verl_sat_stub__", False):
             continue
-        if Path(origin).resolve().is_relative_to(REPO):
-            rows[top] = {"distribution": top, "version": None, "from": "tree"}
+        path = Path(origin).resolve()
+        carried = site is not None and path.is_relative_to(Path(site).resolve())
+        if not carried and path.is_relative_to(REPO) and not path.is_relative_to(Path(sys.prefix).resolve()):
+            rows[top] = {"distribution": top, "version": None, "from": "tree"}  # not a venv or site under the tree
             continue
         for dist in owners.get(top, [top]):
             try:
                 meta = importlib.metadata.distribution(dist)
             except importlib.metadata.PackageNotFoundError:
                 continue
-            where = Path(str(meta.locate_file(""))).resolve()
-            came = "carried" if site is not None and where.is_relative_to(Path(site).resolve()) else "image"
+            came = "carried" if carried else "image"
             rows.setdefault(meta.metadata["Name"], {"distribution": meta.metadata["Name"], "version": meta.version,
                                                     "from": came})  # fmt: skip
     return sorted(rows.values(), key=lambda r: (r["from"], r["distribution"].lower()))
@@ -696,9 +700,10 @@ def imports(args, state: dict) -> dict:
             print(f"| {row['module']} | {row['needed_by']} | {row['distribution']} | {row['advice']} |")
         if report["stopped"]:
             print(f"the listing stopped at: {report['stopped']}")
-        state["missing"] = report
         missing = ", ".join(f"{r['module']} ({r['distribution']})" for r in report["missing"])
-        raise ImportError(f"missing: {missing or '-'}; " + (report["stopped"] or str(error))) from error
+        failure = ImportError(f"missing: {missing or '-'}; " + (report["stopped"] or str(error)))
+        failure.details = report  # the listing, in gpu_check.json
+        raise failure from error
     import torch
 
     loaded = loaded_distributions(state.get("site"))

@@ -86,6 +86,11 @@ def test_the_import_listing_names_every_missing_module_with_its_distribution(gpu
     assert "does not fit" in rows["carried_for_cp399"]["advice"]
 
 
+def _with_details(error: Exception, details) -> Exception:
+    error.details = details
+    return error
+
+
 def test_a_section_that_raises_is_recorded_and_the_next_ones_run(gpu_check, tmp_path):
     out = tmp_path / "out" / "gpu_check.json"
     on_disk = []  # the sections each section found in the results file when it started
@@ -102,6 +107,7 @@ def test_a_section_that_raises_is_recorded_and_the_next_ones_run(gpu_check, tmp_
     sections = [
         section("first", {"x": 1}),
         section("boom", error=ValueError("bad input")),
+        section("boom_with_details", error=_with_details(KeyError("k"), {"measured": [1, 2]})),
         section("after", {"y": 2}),
         section("slow", {"z": 3, "missed": ["3.0x against a 1.2x target"]}),
         section("needs_boom", {"never": True}, needs=("boom",)),
@@ -110,21 +116,23 @@ def test_a_section_that_raises_is_recorded_and_the_next_ones_run(gpu_check, tmp_
     results = {"script": "test"}
     code = gpu_check.run_sections(sections, results, out)
     assert code == 1
-    before = ["first", "boom", "after", "slow", "needs_boom"]
-    assert on_disk == [None, before[:1], before[:2], before[:3], before[:5]]  # needs_boom never ran
+    before = ["first", "boom", "boom_with_details", "after", "slow", "needs_boom"]
+    assert on_disk == [None, before[:1], before[:2], before[:3], before[:4], before[:6]]  # needs_boom never ran
     saved = json.loads(out.read_text())
     assert saved == json.loads(json.dumps(results, default=str))
     entries = saved["sections"]
     assert {name: e["status"] for name, e in entries.items()} == {
-        "first": "ok", "boom": "error", "after": "ok", "slow": "missed", "needs_boom": "skipped", "last": "ok"
+        "first": "ok", "boom": "error", "boom_with_details": "error", "after": "ok", "slow": "missed",
+        "needs_boom": "skipped", "last": "ok",
     }  # fmt: skip
     assert entries["first"]["result"] == {"x": 1} and entries["last"]["result"] == [1, 2]
     assert entries["boom"]["error"]["type"] == "ValueError" and entries["boom"]["error"]["message"] == "bad input"
-    assert "raise error" in entries["boom"]["error"]["traceback"]
+    assert "raise error" in entries["boom"]["error"]["traceback"] and "details" not in entries["boom"]["error"]
+    assert entries["boom_with_details"]["error"]["details"] == {"measured": [1, 2]}
     assert entries["slow"]["result"] == {"z": 3} and entries["slow"]["missed"] == ["3.0x against a 1.2x target"]
     assert entries["needs_boom"]["reason"] == "needs boom"
-    assert saved["failures"] == ["boom: ValueError: bad input", "slow: 3.0x against a 1.2x target",
-                                 "needs_boom: skipped (needs boom)"]  # fmt: skip
+    assert saved["failures"] == ["boom: ValueError: bad input", "boom_with_details: KeyError: 'k'",
+                                 "slow: 3.0x against a 1.2x target", "needs_boom: skipped (needs boom)"]  # fmt: skip
     assert sorted(p.name for p in out.parent.iterdir()) == ["gpu_check.json"]  # no temporary file left
 
     # every section ok: exit status 0; past the deadline, the rest is skipped and written
