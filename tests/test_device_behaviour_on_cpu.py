@@ -70,6 +70,19 @@ def test_the_audit_sees_each_kind_of_operator():
     assert audit.cublas == ["mm"]
 
 
+def test_histc_syncs_only_without_a_range():
+    """On CUDA ``histc`` reads the input's min and max back only when its range is empty (``min == max``, 0 and 0 by
+    default); it is non-deterministic either way."""
+    x = torch.arange(6.0)
+    with CudaOpAudit() as audit:
+        x.histc(4), x.histc(4, 3, 3), torch.histc(x, bins=4, min=1.0, max=1.0 + 1e-9)  # float32: 1.0 == 1.0 + 1e-9
+    assert audit.syncing == ["histc"] * 3 and audit.nondeterministic == ["histc"] * 3
+    with CudaOpAudit() as audit:
+        x.histc(4, 0, 6), torch.histc(x, bins=8, min=-1, max=1), x.double().histc(4, 1.0, 1.0 + 1e-9)
+        torch.empty(0).histc(4)  # nothing to read back
+    assert audit.syncing == [] and audit.nondeterministic == ["histc"] * 4
+
+
 def _audited_loss(loss, config, batch, agg, log_prob=None, mask=None):
     lp = (batch.log_prob if log_prob is None else log_prob).detach().clone().requires_grad_()
     with CudaOpAudit() as audit:

@@ -22,13 +22,15 @@
 The lists follow PyTorch's CUDA sources (2.x): a host read is a Python-level read of a tensor's value (``.item()``,
 ``bool()``/``int()``/``float()``, ``.tolist()``, ``.numpy()``, ``.cpu()``), which stalls the stream once; a syncing
 operator is one whose CUDA kernel reads a value back to size or check its output (``nonzero`` and everything built on
-it: boolean-mask indexing, ``masked_select``, one-argument ``where``; ``bincount``, ``histc``, ``unique*``,
-``equal``, ``repeat_interleave`` without ``output_size``); a non-deterministic operator raises under deterministic
-algorithms on CUDA (``torch.use_deterministic_algorithms``' own list), or needs ``CUBLAS_WORKSPACE_CONFIG`` (cuBLAS
-matrix products). On CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is the ground truth; this audit is what the
-CPU can check.
+it: boolean-mask indexing, ``masked_select``, one-argument ``where``; ``bincount``, ``histc`` without a range,
+``unique*``, ``equal``, ``repeat_interleave`` without ``output_size``); a non-deterministic operator raises under
+deterministic algorithms on CUDA (``torch.use_deterministic_algorithms``' own list), or needs
+``CUBLAS_WORKSPACE_CONFIG`` (cuBLAS matrix products). On CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is the
+ground truth; this audit is what the CPU can check.
 """
 
+import math
+import struct
 from collections.abc import Iterable
 
 import torch
@@ -40,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 PYTHON_READS = frozenset(["item", "__bool__", "__int__", "__float__", "__index__", "tolist", "numpy", "cpu"])
 # ATen operators whose CUDA kernel reads back to the host (overload packets; conditional ones in _syncs below).
 SYNCING_OPS = frozenset(
-    ["_local_scalar_dense", "nonzero", "masked_select", "bincount", "histc", "unique", "_unique", "_unique2",
+    ["_local_scalar_dense", "nonzero", "masked_select", "bincount", "unique", "_unique", "_unique2",
      "unique_dim", "unique_consecutive", "unique_dim_consecutive", "equal", "argwhere", "nonzero_numpy"]
 )  # fmt: skip
 # ATen operators that raise under deterministic algorithms on CUDA (conditional ones in _nondeterministic below).
@@ -82,7 +84,30 @@ def _syncs(name: str, args: tuple, kwargs: dict) -> bool:
         return isinstance(args[0], torch.Tensor) and args[0].dim() > 0 and kwargs.get("output_size") is None
     if name == "where":
         return len(args) == 1
+    if name == "histc":
+        return _histc_reads_its_range(args, kwargs)
     return False
+
+
+def _histc_reads_its_range(args: tuple, kwargs: dict) -> bool:
+    """``histc``'s CUDA kernel reads the input's min and max back only when the range it is given is empty: ``min ==
+    max`` (both 0 by default) once converted to the accumulate type (float for float16/bfloat16/float32, double for
+    float64, int64 for integers), for a non-empty input (``_histc_cuda_template``)."""
+    x = args[0]
+    low = args[2] if len(args) > 2 else kwargs.get("min", 0)
+    high = args[3] if len(args) > 3 else kwargs.get("max", 0)
+    if not x.is_floating_point():
+        low, high = int(low), int(high)
+    elif x.dtype != torch.float64:
+        low, high = _as_float32(low), _as_float32(high)
+    return low == high and x.numel() > 0
+
+
+def _as_float32(value: float) -> float:
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 def _nondeterministic(name: str, args: tuple, kwargs: dict) -> bool:
