@@ -83,6 +83,20 @@ def test_histc_syncs_only_without_a_range():
     assert audit.syncing == [] and audit.nondeterministic == ["histc"] * 4
 
 
+def test_the_audit_sees_every_cublas_product():
+    """``addbmm`` (a loop of ``addmm_`` inside its CUDA kernel), ``_scaled_mm`` and ``_int_mm`` (cuBLASLt) are cuBLAS
+    products too."""
+    m, batch = torch.ones(4, 4), torch.ones(3, 4, 4)
+    fp8 = torch.ones(16, 32).to(torch.float8_e4m3fn)
+    int8 = torch.ones(32, 32, dtype=torch.int8)
+    one = torch.tensor(1.0)
+    with CudaOpAudit() as audit:
+        torch.addbmm(m, batch, batch)
+        torch._scaled_mm(fp8, fp8.t(), one, one, out_dtype=torch.float32)
+        torch._int_mm(int8, int8)
+    assert audit.cublas == ["addbmm", "_scaled_mm", "_int_mm"]
+
+
 def _audited_loss(loss, config, batch, agg, log_prob=None, mask=None):
     lp = (batch.log_prob if log_prob is None else log_prob).detach().clone().requires_grad_()
     with CudaOpAudit() as audit:

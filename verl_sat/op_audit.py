@@ -57,8 +57,12 @@ NONDETERMINISTIC_OPS = frozenset(
      "replication_pad3d_backward", "_ctc_loss_backward", "grid_sampler_2d_backward", "grid_sampler_3d_backward",
      "max_unpool2d", "max_unpool3d"]
 )  # fmt: skip
-# cuBLAS products: non-deterministic under deterministic algorithms unless CUBLAS_WORKSPACE_CONFIG is set
-CUBLAS_OPS = frozenset(["mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "_addmm_activation"])
+# cuBLAS products: non-deterministic under deterministic algorithms unless CUBLAS_WORKSPACE_CONFIG is set (PyTorch's
+# gemm/bgemm raise then). addbmm's CUDA kernel is a loop of addmm_ calls, below the dispatcher (so no "addmm" is seen);
+# _scaled_mm and _int_mm run cuBLASLt (scaled_gemm, int8_gemm), which PyTorch does not guard with that check, but which
+# are cuBLAS products all the same.
+CUBLAS_OPS = frozenset(["mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "_addmm_activation", "_scaled_mm",
+                        "_int_mm"])  # fmt: skip
 
 
 def _name(func) -> str:
