@@ -97,6 +97,23 @@ def test_the_audit_sees_every_cublas_product():
     assert audit.cublas == ["addbmm", "_scaled_mm", "_int_mm"]
 
 
+def test_the_audit_sees_index_reduce_and_scatter_reductions():
+    """Under deterministic algorithms on CUDA ``index_reduce_`` raises for every reduction, ``scatter_reduce`` for
+    ``prod`` and ``scatter_`` for ``reduce="multiply"`` from a tensor; the sums and means take ``index_put``'s
+    deterministic path, a scalar source is deterministic."""
+    i, src = torch.tensor([0, 1, 0]), torch.ones(3)
+    with CudaOpAudit() as audit:
+        torch.zeros(2).index_reduce_(0, i, src, "prod"), torch.zeros(2).index_reduce(0, i, src, "amax")
+        torch.zeros(2).scatter_reduce(0, i, src, "prod"), torch.zeros(2).scatter_reduce_(0, i, src, reduce="prod")
+        torch.zeros(2).scatter_(0, i, src, reduce="multiply"), torch.zeros(2).scatter(0, i, src, reduce="multiply")
+        # deterministic on CUDA
+        torch.zeros(2).scatter_reduce(0, i, src, "sum"), torch.zeros(2).scatter_reduce(0, i, src, "mean")
+        torch.zeros(2).scatter_(0, i, src, reduce="add"), torch.zeros(2).scatter_(0, i, 2.0, reduce="multiply")
+        torch.zeros(2).scatter_add(0, i, src), torch.zeros(2).index_add(0, i, src)
+    assert audit.nondeterministic == ["index_reduce_", "index_reduce", "scatter_reduce", "scatter_reduce_",
+                                      "scatter_", "scatter"]  # fmt: skip
+
+
 def _audited_loss(loss, config, batch, agg, log_prob=None, mask=None):
     lp = (batch.log_prob if log_prob is None else log_prob).detach().clone().requires_grad_()
     with CudaOpAudit() as audit:

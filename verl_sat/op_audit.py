@@ -55,7 +55,10 @@ NONDETERMINISTIC_OPS = frozenset(
      "upsample_bicubic2d_backward", "upsample_trilinear3d_backward", "reflection_pad1d_backward",
      "reflection_pad2d_backward", "reflection_pad3d_backward", "replication_pad1d_backward",
      "replication_pad3d_backward", "_ctc_loss_backward", "grid_sampler_2d_backward", "grid_sampler_3d_backward",
-     "max_unpool2d", "max_unpool3d"]
+     "max_unpool2d", "max_unpool3d",
+     # index_reduce_func_cuda_impl alerts for every reduction (prod, mean, amax, amin: atomics), with no
+     # deterministic path; the docs' list omits it
+     "index_reduce", "index_reduce_"]
 )  # fmt: skip
 # cuBLAS products: non-deterministic under deterministic algorithms unless CUBLAS_WORKSPACE_CONFIG is set (PyTorch's
 # gemm/bgemm raise then). addbmm's CUDA kernel is a loop of addmm_ calls, below the dispatcher (so no "addmm" is seen);
@@ -124,8 +127,11 @@ def _nondeterministic(name: str, args: tuple, kwargs: dict) -> bool:
         return dtype.is_floating_point or dtype.is_complex
     if name in ("median", "nanmedian"):  # with indices
         return len(args) > 1 or "dim" in kwargs
-    if name in ("scatter_reduce", "scatter_reduce_"):
-        return (args[3] if len(args) > 3 else kwargs.get("reduce")) == "prod"
+    if name in ("scatter_reduce", "scatter_reduce_"):  # prod (sum and mean take index_put's deterministic path)
+        return (args[4] if len(args) > 4 else kwargs.get("reduce")) == "prod"
+    if name in ("scatter", "scatter_"):  # reduce="multiply" from a tensor (atomicMul); "add" takes index_put's path,
+        src = args[3] if len(args) > 3 else kwargs.get("src")  # and a scalar src is deterministic
+        return isinstance(src, torch.Tensor) and (args[4] if len(args) > 4 else kwargs.get("reduce")) == "multiply"
     return False
 
 
