@@ -114,6 +114,33 @@ def test_the_audit_sees_index_reduce_and_scatter_reductions():
                                       "scatter_", "scatter"]  # fmt: skip
 
 
+def test_the_audit_sees_syncs_inside_kernels():
+    """Operators that read back inside their CUDA kernel, out of the dispatcher's sight: ``isin`` on its sorting path
+    (``_unique``), the linalg error checks (``info`` read on the host) and host-side linalg; not their ``_ex`` forms
+    without ``check_errors``, nor what checks nothing. ``randperm`` sorts on the device, ``multinomial`` checks its
+    probabilities with device-side asserts."""
+    a, b, x = torch.eye(3) * 2 + 0.1, torch.ones(3, 2), torch.arange(10)
+    low = torch.linalg.cholesky(a)
+    with CudaOpAudit() as audit:
+        torch.isin(x, torch.arange(50)), torch.isin(3, torch.arange(10)), torch.isin(x, torch.arange(50), invert=True)
+        torch.linalg.inv(a), torch.inverse(a), torch.linalg.solve(a, b), torch.linalg.cholesky(a)
+        torch.linalg.lu_factor(a), torch.linalg.ldl_factor(a), torch.linalg.inv_ex(a, check_errors=True)
+        torch.cholesky(a), torch.cholesky_inverse(low), torch.linalg.eigh(a), torch.linalg.eigvalsh(a)
+        torch.linalg.svd(a), torch.linalg.svdvals(a), torch.linalg.lstsq(a, b), torch.linalg.pinv(a)
+        torch.linalg.eig(a), torch.linalg.eigvals(a), torch.linalg.matrix_exp(a)
+        # none of these syncs on CUDA
+        torch.isin(x, torch.arange(5)), torch.isin(x, torch.arange(50), assume_unique=True), torch.isin(x, 3)
+        torch.linalg.inv_ex(a), torch.linalg.cholesky_ex(a), torch.linalg.solve_ex(a, b), torch.linalg.lu_factor_ex(a)
+        torch.linalg.det(a), torch.linalg.slogdet(a), torch.linalg.qr(a), torch.linalg.lu(a)
+        torch.linalg.solve_triangular(low, b, upper=False), torch.linalg.matrix_exp(torch.ones(2, 1, 1))
+        torch.randperm(10), torch.multinomial(torch.ones(4), 2), torch.multinomial(torch.ones(4), 1, True)
+    assert audit.syncing == ["isin", "isin", "isin", "_linalg_check_errors", "_linalg_check_errors",
+                             "_linalg_check_errors", "_linalg_check_errors", "_linalg_check_errors",
+                             "_linalg_check_errors", "linalg_inv_ex", "cholesky", "cholesky_inverse", "_linalg_eigh",
+                             "_linalg_eigh", "_linalg_svd", "_linalg_svd", "linalg_lstsq", "linalg_pinv",
+                             "linalg_eig", "linalg_eig", "linalg_matrix_exp"]  # fmt: skip
+
+
 def _audited_loss(loss, config, batch, agg, log_prob=None, mask=None):
     lp = (batch.log_prob if log_prob is None else log_prob).detach().clone().requires_grad_()
     with CudaOpAudit() as audit:

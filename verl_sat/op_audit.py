@@ -43,8 +43,21 @@ PYTHON_READS = frozenset(["item", "__bool__", "__int__", "__float__", "__index__
 # ATen operators whose CUDA kernel reads back to the host (overload packets; conditional ones in _syncs below).
 SYNCING_OPS = frozenset(
     ["_local_scalar_dense", "nonzero", "masked_select", "bincount", "unique", "_unique", "_unique2",
-     "unique_dim", "unique_consecutive", "unique_dim_consecutive", "equal", "argwhere", "nonzero_numpy"]
+     "unique_dim", "unique_consecutive", "unique_dim_consecutive", "equal", "argwhere", "nonzero_numpy",
+     # linalg: the info LAPACK/cuSOLVER/MAGMA return is checked on the host, _linalg_check_errors reading
+     # info.any().item(). linalg.inv/solve/cholesky/lu_factor/ldl_factor call it after their _ex kernel (seen here,
+     # the _ex kernels only with check_errors=True, in _syncs); these call it inside their kernel: cholesky,
+     # cholesky_inverse, _linalg_eigh (eigh, eigvalsh), _linalg_svd (svd, svdvals, matrix_rank, 2-norms, cond),
+     # linalg_lstsq (MAGMA's gels, its info on the host), linalg_pinv (eigh or svd).
+     "_linalg_check_errors", "cholesky", "cholesky_inverse", "_linalg_eigh", "_linalg_svd", "linalg_lstsq",
+     "linalg_pinv",
+     # linalg_eig (eig, eigvals): MAGMA's geev has no GPU interface, the input is copied to the host and computed
+     # there, then info read
+     "linalg_eig"]
 )  # fmt: skip
+# Not syncing in PyTorch 2.x's sources: randperm (random keys sorted on the device with cub; early releases drew small
+# permutations on the host and copied them over) and multinomial (its probability checks are _assert_async, a
+# device-side assert, since pytorch#134818; before, two .item() reads without replacement or for one sample).
 # ATen operators that raise under deterministic algorithms on CUDA (conditional ones in _nondeterministic below).
 NONDETERMINISTIC_OPS = frozenset(
     ["histc", "kthvalue", "put_", "put", "nll_loss2d_forward", "nll_loss2d_backward", "embedding_bag",
@@ -93,7 +106,24 @@ def _syncs(name: str, args: tuple, kwargs: dict) -> bool:
         return len(args) == 1
     if name == "histc":
         return _histc_reads_its_range(args, kwargs)
+    if name == "isin":
+        return _isin_runs_unique(args, kwargs)
+    if name.endswith("_ex") and "linalg_" in name:  # linalg_inv_ex & co. check info themselves when asked to
+        return bool(kwargs.get("check_errors"))
+    if name == "linalg_matrix_exp":  # picks each matrix's degree from its norm copied to the host, and nonzero
+        return args[0].size(-1) > 1  # (a 1 x 1 matrix is exp)
     return False
+
+
+def _isin_runs_unique(args: tuple, kwargs: dict) -> bool:
+    """``isin`` compares all pairs (no read-back) while ``test_elements`` has fewer than ``10 * elements.numel() **
+    0.145`` elements (NumPy's heuristic), else sorts, after ``_unique`` of both unless ``assume_unique``: on CUDA
+    ``_unique`` reads the count of unique values back (``isin_Tensor_Tensor_out``, shared by CPU and CUDA)."""
+    elements, test_elements = args[0], args[1]
+    if not isinstance(test_elements, torch.Tensor) or kwargs.get("assume_unique", False):
+        return False  # isin(Tensor, Scalar) is eq / ne
+    count = elements.numel() if isinstance(elements, torch.Tensor) else 1
+    return count > 0 and test_elements.numel() >= int(10.0 * count**0.145)
 
 
 def _histc_reads_its_range(args: tuple, kwargs: dict) -> bool:
