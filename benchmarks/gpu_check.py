@@ -15,7 +15,8 @@
 
 1. Host syncs. Each SAT surrogate, verl's ``agg_loss`` and the backward under ``torch.cuda.set_sync_debug_mode
    ("error")`` and ``torch.use_deterministic_algorithms(True)`` (nothing may sync or raise); the registered losses
-   under ``"warn"``, counting syncs: one (the metrics read) against verl's three. An R3 forward + backward under
+   under ``"warn"``, counting syncs: one (the metrics read) against verl's three reads (``gspo``: and its
+   ``torch.tensor(0.0, device=...)``, a host-to-device copy). An R3 forward + backward under
    ``"warn"`` against the same model's native one (transformers' own expert dispatch syncs; R3 may add only its one
    metrics read).
 2. ``sat`` / ``vanilla`` and ``sat_gspo`` / ``gspo``, forward + backward timed with CUDA events at 8 x 4096,
