@@ -23,7 +23,8 @@
 3. ``loss_syncs_*``, one per loss and granularity: the SAT surrogate, verl's ``agg_loss`` and the backward under
    ``torch.cuda.set_sync_debug_mode("error")`` and ``torch.use_deterministic_algorithms(True)`` (nothing may sync
    or raise), in fp32 and bf16; the registered loss and verl's counterpart under ``"warn"``, counting syncs (one, the
-   metrics read, against verl's three).
+   metrics read, against verl's three reads; ``gspo`` also copies ``torch.tensor(0.0, device=...)`` from the host,
+   a fourth).
 4. ``r3_syncs_2_layers``, ``r3_syncs_6_layers``: an R3 forward + backward under ``"warn"`` against the same model's
    native one (transformers' expert dispatch syncs; R3 may add none beyond its one metrics read).
 5. ``loss_time_float32``, ``loss_time_bfloat16``: ``sat`` / ``vanilla`` and ``sat_gspo`` / ``gspo``, forward +

@@ -70,6 +70,106 @@ def test_the_audit_sees_each_kind_of_operator():
     assert audit.cublas == ["mm"]
 
 
+def test_histc_syncs_only_without_a_range():
+    """On CUDA ``histc`` reads the input's min and max back only when its range is empty (``min == max``, 0 and 0 by
+    default); it is non-deterministic either way."""
+    x, empty = torch.arange(6.0), torch.empty(0)
+    with CudaOpAudit() as audit:
+        x.histc(4), x.histc(4, 3, 3), torch.histc(x, bins=4, min=1.0, max=1.0 + 1e-9)  # float32: 1.0 == 1.0 + 1e-9
+    assert audit.syncing == ["histc"] * 3 and audit.nondeterministic == ["histc"] * 3
+    with CudaOpAudit() as audit:
+        x.histc(4, 0, 6), torch.histc(x, bins=8, min=-1, max=1), x.double().histc(4, 1.0, 1.0 + 1e-9)
+        empty.histc(4)  # nothing to read back
+    assert audit.syncing == [] and audit.nondeterministic == ["histc"] * 4
+
+
+def test_the_audit_sees_every_cublas_product():
+    """``addbmm`` (a loop of ``addmm_`` inside its CUDA kernel), ``_scaled_mm`` and ``_int_mm`` (cuBLASLt) are cuBLAS
+    products too."""
+    m, batch = torch.ones(4, 4), torch.ones(3, 4, 4)
+    fp8 = torch.ones(16, 32).to(torch.float8_e4m3fn)
+    int8 = torch.ones(32, 32, dtype=torch.int8)
+    one = torch.tensor(1.0)
+    with CudaOpAudit() as audit:
+        torch.addbmm(m, batch, batch)
+        torch._scaled_mm(fp8, fp8.t(), one, one, out_dtype=torch.float32)
+        torch._int_mm(int8, int8)
+    assert audit.cublas == ["addbmm", "_scaled_mm", "_int_mm"]
+
+
+def test_the_audit_sees_index_reduce_and_scatter_reductions():
+    """Under deterministic algorithms on CUDA ``index_reduce_`` raises for every reduction, ``scatter_reduce`` for
+    ``prod`` and ``scatter_`` for ``reduce="multiply"`` from a tensor; the sums and means take ``index_put``'s
+    deterministic path, a scalar source is deterministic."""
+    i, src = torch.tensor([0, 1, 0]), torch.ones(3)
+    with CudaOpAudit() as audit:
+        src.new_zeros(2).index_reduce_(0, i, src, "prod"), src.new_zeros(2).index_reduce(0, i, src, "amax")
+        src.new_zeros(2).scatter_reduce(0, i, src, "prod"), src.new_zeros(2).scatter_reduce_(0, i, src, reduce="prod")
+        src.new_zeros(2).scatter_(0, i, src, reduce="multiply"), src.new_zeros(2).scatter(0, i, src, reduce="multiply")
+        # deterministic on CUDA
+        src.new_zeros(2).scatter_reduce(0, i, src, "sum"), src.new_zeros(2).scatter_reduce(0, i, src, "mean")
+        src.new_zeros(2).scatter_(0, i, src, reduce="add"), src.new_zeros(2).scatter_(0, i, 2.0, reduce="multiply")
+        src.new_zeros(2).scatter_add(0, i, src), src.new_zeros(2).index_add(0, i, src)
+    assert audit.nondeterministic == ["index_reduce_", "index_reduce", "scatter_reduce", "scatter_reduce_",
+                                      "scatter_", "scatter"]  # fmt: skip
+
+
+def test_the_audit_sees_syncs_inside_kernels():
+    """Operators that read back inside their CUDA kernel, out of the dispatcher's sight: ``isin`` on its sorting path
+    (``_unique``), the linalg error checks (``info`` read on the host) and host-side linalg; not their ``_ex`` forms
+    without ``check_errors``, nor what checks nothing. ``randperm`` sorts on the device, ``multinomial`` checks its
+    probabilities with device-side asserts."""
+    a, b, x, one, probs = torch.eye(3) * 2 + 0.1, torch.ones(3, 2), torch.arange(10), torch.ones(2, 1, 1), torch.ones(4)
+    low, many, few = torch.linalg.cholesky(a), torch.arange(50), torch.arange(5)
+    with CudaOpAudit() as audit:
+        torch.isin(x, many), torch.isin(3, x), torch.isin(x, many, invert=True)
+        torch.linalg.inv(a), torch.inverse(a), torch.linalg.solve(a, b), torch.linalg.cholesky(a)
+        torch.linalg.lu_factor(a), torch.linalg.ldl_factor(a), torch.linalg.inv_ex(a, check_errors=True)
+        torch.cholesky(a), torch.cholesky_inverse(low), torch.linalg.eigh(a), torch.linalg.eigvalsh(a)
+        torch.linalg.svd(a), torch.linalg.svdvals(a), torch.linalg.lstsq(a, b), torch.linalg.pinv(a)
+        torch.linalg.eig(a), torch.linalg.eigvals(a), torch.linalg.matrix_exp(a)
+        # none of these syncs on CUDA
+        torch.isin(x, few), torch.isin(x, many, assume_unique=True), torch.isin(x, 3)
+        torch.linalg.inv_ex(a), torch.linalg.cholesky_ex(a), torch.linalg.solve_ex(a, b), torch.linalg.lu_factor_ex(a)
+        torch.linalg.det(a), torch.linalg.slogdet(a), torch.linalg.qr(a), torch.linalg.lu(a)
+        torch.linalg.solve_triangular(low, b, upper=False), torch.linalg.matrix_exp(one)
+        torch.randperm(10, device=x.device), torch.multinomial(probs, 2), torch.multinomial(probs, 1, True)
+    assert audit.syncing == ["isin", "isin", "isin", "_linalg_check_errors", "_linalg_check_errors",
+                             "_linalg_check_errors", "_linalg_check_errors", "_linalg_check_errors",
+                             "_linalg_check_errors", "linalg_inv_ex", "cholesky", "cholesky_inverse", "_linalg_eigh",
+                             "_linalg_eigh", "_linalg_svd", "_linalg_svd", "linalg_lstsq", "linalg_pinv",
+                             "linalg_eig", "linalg_eig", "linalg_matrix_exp"]  # fmt: skip
+
+
+def test_the_audit_sees_device_transfers():
+    """Copies between host and device. To the host (``.to("cpu")``, ``.cpu()``, a list of device tensors made a
+    tensor, ``copy_`` into a host tensor) they are reads; to the device (``torch.tensor(data, device=...)``,
+    ``new_tensor``, ``.to(device)`` of a host tensor, ``copy_`` from one, a copy across devices) they sync. Tensors
+    entering the block are on the device, ``x.device`` stands for the device; casts copy nothing, and what runs on host
+    tensors alone is not flagged."""
+    x = torch.arange(6.0)
+    with CudaOpAudit() as audit:
+        x.to("cpu"), x.to("cpu", torch.float64), x.to(device="cpu"), x.cpu().tolist()
+        torch.tensor([x[0], x[1]]), torch.empty(2, device="cpu").copy_(x[:2]), torch.as_tensor(x, device="cpu")
+        torch.tensor([1, 2], device=x.device), torch.as_tensor([1.0], device=x.device), x.new_tensor([1.0, 2.0])
+        moved = torch.arange(3).to(x.device)
+        torch.tensor([1.0]).to(x), x[:2].copy_(torch.tensor([1.0, 2.0]))
+        torch.empty(2, device="meta").copy_(x[:2]), torch.ops.aten._to_copy.default(x, device=torch.device("meta"))
+        moved.tolist()  # on the device now
+        # no copy between host and device
+        x.to(torch.float64), x.double(), x.to(x.device), x.to(x.device, torch.float64), x.to(x), torch.as_tensor(x)
+        torch.tensor([], device=x.device), torch.empty(0).to(x.device), x[:0].cpu(), x[:0].tolist()  # empty
+        torch.zeros(2, device=x.device), torch.full((2,), 1.0, device=x.device), x.new_zeros(2), x.sum().to(x.dtype)
+        host = torch.tensor([3.0, 1.0, 2.0])
+        host.tolist(), host[0].item(), host.cpu(), host.to("cpu").numpy(), torch.arange(4).long().tolist()
+        host.nonzero(), host.cumsum(0), host.unique(), torch.zeros(2).to("cpu")
+    assert audit.reads == ["to", "to", "to", "cpu", "tensor", "tensor", "copy_", "as_tensor", "tolist"]
+    assert audit.syncing == ["h2d:tensor", "h2d:as_tensor", "h2d:new_tensor", "h2d:to", "h2d:to", "h2d:copy_",
+                             "h2d:copy_", "h2d:_to_copy"]  # fmt: skip
+    assert audit.nondeterministic == [] and audit.cublas == []
+    assert torch.equal(x, torch.tensor([1.0, 2.0, 2.0, 3.0, 4.0, 5.0]))  # the audited code ran as written
+
+
 def _audited_loss(loss, config, batch, agg, log_prob=None, mask=None):
     lp = (batch.log_prob if log_prob is None else log_prob).detach().clone().requires_grad_()
     with CudaOpAudit() as audit:
@@ -178,7 +278,9 @@ def test_the_gpu_check_script_runs_here_without_ray(tmp_path):
     loss_rows = [row for name, entry in sections.items() if name.startswith("loss_syncs_")
                  for row in entry["result"]["rows"]]  # fmt: skip
     assert len(loss_rows) == 8  # 4 losses and granularities x 2 dtypes
-    assert all(row["loss_syncs"] == 1 and row["verl_syncs"] == 3 and row["surrogate"] == "no sync" for row in loss_rows)
+    assert all(row["loss_syncs"] == 1 and row["surrogate"] == "no sync" for row in loss_rows)
+    # verl reads its metrics one by one; gspo also copies a Python 0.0 to the device, torch.tensor(0.0, device=...)
+    assert [row["verl_syncs"] for row in loss_rows] == [3, 3] + [4] * 6
     r3 = [sections[f"r3_syncs_{n}_layers"]["result"] for n in (2, 6)]
     assert [(row["layers"], row["replay_syncs"] - row["native_syncs"]) for row in r3] == [(2, 0), (6, 0)]
     assert sections["r3_time"]["result"]["replay_ms"] > 0 and sections["loss_time_float32"]["result"]["worst_ratio"] > 0
