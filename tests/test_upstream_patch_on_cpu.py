@@ -260,25 +260,21 @@ def test_series_patches_are_the_four_documented():
     assert [p.subject.split("]")[0] for p in PATCHES] == ["[algo", "[fsdp", "[trainer", "[rollout"]
 
 
-def test_logging_fix_test_fails_on_unpatched_verl(tmp_path):
-    """The patch's test is pinned: on verl 0.9.1 as installed it finds the separate-async trainer's call."""
-    test = tmp_path / Path(LOGGING_TEST).name
+@pytest.mark.parametrize(
+    "template,found",
+    [(LOGGING_TEST, "trainer/ppo/v1/trainer_separate_async.py:181"),
+     (ROLLOUT_LOGGING_TEST, "rollout/sglang_rollout/http_server_engine.py:144")],
+    ids=["trainer", "rollout"],
+)  # fmt: skip
+def test_logging_fix_tests_fail_on_unpatched_verl(template, found, tmp_path):
+    """Each logging patch's test is pinned: on verl 0.9.1 as installed it finds the call its patch fixes (the
+    rollout's file imports sglang, which is not installed here: the test only parses it)."""
+    test = tmp_path / Path(template).name
     shutil.copy(REPO / "verl_sat/upstream/templates" / test.name, test)
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)],
                          capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
     assert run.returncode == 1, run.stdout[-2000:]
-    assert "1 failed, 1 passed" in run.stdout and "trainer/ppo/v1/trainer_separate_async.py:181" in run.stdout
-
-
-def test_rollout_logging_fix_test_fails_on_unpatched_verl(tmp_path):
-    """The rollout patch's test is pinned the same way: on verl 0.9.1 it finds SGLang's ``launch_server_process``
-    call (the file imports sglang, which is not installed here: the test only parses it)."""
-    test = tmp_path / Path(ROLLOUT_LOGGING_TEST).name
-    shutil.copy(REPO / "verl_sat/upstream/templates" / test.name, test)
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)],
-                         capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
-    assert run.returncode == 1, run.stdout[-2000:]
-    assert "1 failed, 1 passed" in run.stdout and "rollout/sglang_rollout/http_server_engine.py:144" in run.stdout
+    assert "1 failed, 1 passed" in run.stdout and found in run.stdout
 
 
 def test_the_two_logging_tests_share_the_scanner():
