@@ -23,7 +23,16 @@ import torch
 from verl.trainer.ppo.v1 import trainer_base
 from verl.workers import engine_workers
 
-from verl_sat.cpu.engine_matrix import CELLS, EXPECTED, SUITE_CELLS, run_cell, shifted
+from verl_sat.cpu.engine_matrix import (
+    CELLS,
+    EXPECTED,
+    STALE_MEAN,
+    STALE_PEAK,
+    SUITE_CELLS,
+    run_cell,
+    shifted,
+    staleness,
+)
 
 
 @pytest.mark.parametrize("cell", SUITE_CELLS)
@@ -46,6 +55,16 @@ def test_shifted_routes_keep_empty_rows_and_distinct_experts():
     moved = shifted(routes, 4)
     assert moved.dtype == torch.int16
     assert moved.tolist() == [[[0, 0], [0, 2]], [[3, 0], [0, 0]]]
+
+
+def test_staleness_puts_one_peak_per_sequence_and_keeps_the_ratio_in_the_band():
+    current = -torch.rand(12, generator=torch.Generator().manual_seed(0))
+    for sign in (1.0, -1.0):
+        log_ratio = current - staleness(current, sign)
+        assert torch.all(torch.sign(log_ratio) == sign)
+        assert log_ratio.abs().max() == pytest.approx(STALE_PEAK) and int((log_ratio.abs() == STALE_PEAK).sum()) == 1
+        assert float(log_ratio.mean()) == pytest.approx(sign * STALE_MEAN, abs=1e-6)
+        assert 0.8 < float(torch.exp(log_ratio.mean())) < 1.2  # inside verl's clip band of 0.2
 
 
 def test_pinned_verl_computes_the_lora_reference_in_the_actor():

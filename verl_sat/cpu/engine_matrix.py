@@ -113,6 +113,8 @@ class CellResult:
 
     cell: str
     rollout_log_prob_diff: float  # max |replayed log-prob - rollout log-prob| over the response tokens
+    reference_rollout_diff: float  # max |replayed log-prob - unwrapped reference's| on the rollout's routes
+    vllm_reference_diff: float  # max |unwrapped reference's - rollout's|: vLLM's kernels against PyTorch's, no verl
     shifted_log_prob_diff: float  # max |engine - unwrapped reference| with the shifted routes
     ref_pass_log_prob_diff: float | None  # LoRA: the same for the adapters-off reference pass
     shift_effect: float  # max |log-prob with shifted routes - with the rollout's|: the routes matter
@@ -130,7 +132,11 @@ class CellResult:
         """What does not hold, in words (empty when the cell passes)."""
         expected = {**BASELINE, **EXPECTED.get(self.cell, {})}
         checks = {
-            f"rollout log-probs within {LOG_PROB_TOL}": self.rollout_log_prob_diff <= LOG_PROB_TOL,
+            f"rollout log-probs within {LOG_PROB_TOL} of vLLM's (or of vLLM's own difference from the unwrapped "
+            f"reference, {self.vllm_reference_diff:.2g}, plus {LOG_PROB_TOL})": self.rollout_log_prob_diff
+            <= max(LOG_PROB_TOL, self.vllm_reference_diff + LOG_PROB_TOL),
+            f"rollout-route log-probs within {LOG_PROB_TOL} of the reference": self.reference_rollout_diff
+            <= LOG_PROB_TOL,
             f"shifted-route log-probs within {LOG_PROB_TOL} of the reference": self.shifted_log_prob_diff
             <= LOG_PROB_TOL,
             f"reference pass within {LOG_PROB_TOL}": self.ref_pass_log_prob_diff is None
@@ -153,19 +159,33 @@ def shifted(routes: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.where(recorded, (routes.long() + 1) % num_experts, 0).to(routes.dtype)
 
 
-def training_batch(samples: list[dict], indices: list[int], num_experts: int | None = None, seed: int = 0):
-    """Samples ``indices`` of ``samples`` as verl's trainer hands them to the actor: ``old_log_probs`` are the
-    rollout's log-probs (bypass mode) moved by a seeded staleness so that SAT gates and clips, group-normalised
-    advantages (groups of 4), a reference log-prob for the KL loss, ``sample_index``, and the rollout's routes
-    (``shifted`` when ``num_experts`` is given). The draws cover all of ``samples``: every subset agrees."""
+STALE_PEAK = 1.0  # |log-ratio| of one token per sequence in the update batch: the micro-batch's SAT gate
+STALE_MEAN = 0.15  # the sequence's mean log-ratio: GSPO's ratio exp(0.15) lies inside the clip band of 0.2
+
+
+def staleness(log_probs: torch.Tensor, sign: float) -> torch.Tensor:
+    """Old log-probs for one sequence whose current ones are ``log_probs`` (float32 ``[R]``, ``R >= 2``): every
+    log-ratio has the advantage's ``sign``, the middle token's is ``STALE_PEAK`` and the others share the rest of a
+    mean ``STALE_MEAN``. So in any micro-batch the peaks are the top tenth of SAT's per-token scores (gated; the others
+    tie at the quantile), the sequence ratio exp(+-0.15) lies between SAT's contracted and verl's endpoint, and SAT
+    changes the gradient of every gated token (intercepted)."""
+    n = log_probs.numel()
+    delta = torch.full_like(log_probs, (STALE_MEAN * n - STALE_PEAK) / (n - 1))
+    delta[n // 2] = STALE_PEAK
+    return log_probs - sign * delta
+
+
+def training_batch(samples: list[dict], indices: list[int], num_experts: int | None = None,
+                   current: list[torch.Tensor] | None = None):  # fmt: skip
+    """Samples ``indices`` of ``samples`` as verl's trainer hands them to the actor: the rollout's routes (``shifted``
+    when ``num_experts`` is given), advantages +1 and -1 in turn, ``old_log_probs`` built by ``staleness`` from the
+    ``current`` log-probs of all samples (default: the rollout's), a reference log-prob for the KL loss (the rollout's
+    minus 0.05), and ``sample_index`` (which micro-batch took which sample)."""
     from verl_sat.cpu.vllm_r3 import trainer_batch
 
-    gen = torch.Generator().manual_seed(seed)
-    rewards = torch.rand(len(samples) // 4, 4, generator=gen).round()
-    adv = ((rewards - rewards.mean(-1, keepdim=True)) / (rewards.std(-1, keepdim=True) + 1e-6)).flatten()
     rollout = [s["log_probs"].float() for s in samples]
-    old = [lp + 0.3 * torch.randn(lp.shape, generator=gen) for lp in rollout]
-    ref = [lp + 0.05 * torch.randn(lp.shape, generator=gen) for lp in rollout]
+    current = rollout if current is None else current
+    signs = [1.0 if i % 2 == 0 else -1.0 for i in range(len(samples))]
 
     def per_token(values: list[torch.Tensor]) -> torch.Tensor:
         return torch.nested.as_nested_tensor([values[i] for i in indices], layout=torch.jagged)
@@ -175,9 +195,9 @@ def training_batch(samples: list[dict], indices: list[int], num_experts: int | N
         data["routed_experts"] = torch.nested.as_nested_tensor(
             [shifted(r, num_experts) for r in data["routed_experts"].unbind()], layout=torch.jagged
         )
-    data["old_log_probs"] = per_token(old)
-    data["ref_log_prob"] = per_token(ref)
-    data["advantages"] = per_token([torch.full_like(lp, float(a)) for lp, a in zip(rollout, adv, strict=True)])
+    data["old_log_probs"] = per_token([staleness(lp, sign) for lp, sign in zip(current, signs, strict=True)])
+    data["ref_log_prob"] = per_token([lp - 0.05 for lp in rollout])
+    data["advantages"] = per_token([torch.full_like(lp, sign) for lp, sign in zip(rollout, signs, strict=True)])
     data["sample_index"] = torch.tensor(indices)
     return data
 
@@ -275,7 +295,8 @@ def _rank_main(rank: int, cell: str, model: str, samples_path: str, out_dir: str
     hooks = [m.register_forward_hook(count_recompute) for m in engine.module.modules()
              if type(m).__name__.endswith("TopKRouter")]  # fmt: skip
     before = full_state(engine.module)
-    batch = training_batch(samples, indices, num_experts)
+    current = torch.load(Path(out_dir, "shifted_reference.pt"), weights_only=False)
+    batch = training_batch(samples, indices, num_experts, current)
     tu.assign_non_tensor(batch, calculate_entropy=False, global_batch_size=len(samples), mini_batch_size=len(samples),
                          epochs=1, seed=0, dataloader_kwargs={"shuffle": False}, temperature=1.0)  # fmt: skip
     engine.forward_step = recording_forward_step
@@ -315,10 +336,11 @@ def run_ranks(cell: str, model: str, samples_path: str, out_dir: str, timeout: f
     return [torch.load(Path(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
 
 
-def reference_model(model: str, config, before: dict[str, torch.Tensor]):
-    """The policy as one unwrapped Hugging Face model in float32, on verl's attention implementation, with the
-    engine's LoRA adapters (built from the same keys, then loaded with the engine's weights, so the adapters' random
-    init matches) and verl-sat's ``RoutingReplay`` attached."""
+def reference_model(model: str, config, before: dict[str, torch.Tensor] | None = None):
+    """The policy as one unwrapped Hugging Face model in float32, on verl's attention implementation, with
+    verl-sat's ``RoutingReplay`` attached; given the engine's weights ``before``, with the engine's LoRA adapters
+    (built from the same keys, then loaded with those weights, so the adapters' random init matches). Without, the
+    model as saved, which is the engine's initial policy (LoRA's adapters start at zero)."""
     from transformers import AutoModelForCausalLM
 
     from verl_sat.cpu import packed_attention
@@ -329,7 +351,7 @@ def reference_model(model: str, config, before: dict[str, torch.Tensor]):
     if attn == packed_attention.NAME:
         packed_attention.register()
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation=attn)
-    if model_cfg.lora_rank > 0:
+    if before is not None and model_cfg.lora_rank > 0:
         from peft import LoraConfig, TaskType, get_peft_model
 
         target_modules = model_cfg.target_modules
@@ -337,7 +359,8 @@ def reference_model(model: str, config, before: dict[str, torch.Tensor]):
             task_type=TaskType.CAUSAL_LM, r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha, bias="none",
             target_modules=target_modules if isinstance(target_modules, str) else list(target_modules),
         ))  # fmt: skip
-    hf.load_state_dict(before, strict=True)
+    if before is not None:
+        hf.load_state_dict(before, strict=True)
     hf.train()
     return hf, RoutingReplay.attach(hf)
 
@@ -353,6 +376,14 @@ def packed_log_probs(hf, replay, micro_batch) -> torch.Tensor:
         logits = hf(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]
     log_probs = logprobs_from_logits(logits, torch.roll(input_ids[0], shifts=-1))
     return torch.nested.nested_tensor_from_jagged(log_probs, offsets=micro_batch["input_ids"].offsets())
+
+
+def response_log_probs(hf, replay, batch) -> list[torch.Tensor]:
+    """The unwrapped model's log-prob of each response token of ``batch`` (``training_batch``), replaying its routes."""
+    from verl.workers.utils.padding import response_from_nested
+
+    with torch.no_grad():
+        return list(response_from_nested(packed_log_probs(hf, replay, batch), batch["response_mask"]).unbind())
 
 
 def reference_gradient(hf, replay, micro_batches: list, dp: int, config) -> dict[str, torch.Tensor]:
@@ -375,31 +406,35 @@ def _series(metrics: dict, key: str) -> list[float]:
 
 def run_cell(cell: str, model: str, samples_path: str) -> CellResult:
     """Run ``cell`` on two ranks and compare it with the rollout and with the one-rank unwrapped reference."""
-    from verl.workers.utils.padding import response_from_nested
-
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as out_dir:
-        ranks = run_ranks(cell, model, samples_path, out_dir)
     config = cell_config(cell, model)
     samples = torch.load(samples_path, weights_only=False)
-    hf, replay = reference_model(model, config, ranks[0]["before"])
+    every = list(range(len(samples)))
+    hf, replay = reference_model(model, config)  # the engine's initial policy
     num_experts = hf.config.num_experts
-    rollout_diff, shifted_diff, ref_diff, effect, layers = [], [], [], [], []
-    with torch.no_grad():
-        for result in ranks:
-            if not result["indices"]:
-                continue
-            batch = training_batch(samples, result["indices"], num_experts)
-            expected = list(response_from_nested(packed_log_probs(hf, replay, batch), batch["response_mask"]).unbind())
-            for i, index in enumerate(result["indices"]):
-                rollout = samples[index]["log_probs"].double()
-                rollout_diff.append(float((result["rollout"][i].double() - rollout).abs().max()))
-                shifted_diff.append(float((result["shifted"][i] - expected[i]).abs().max()))
-                effect.append(float((result["shifted"][i].double() - rollout).abs().max()))
-                if "ref_pass" in result:
-                    ref_diff.append(float((result["ref_pass"][i] - expected[i]).abs().max()))
-            for key in ("rollout_metrics", "shifted_metrics", "ref_pass_metrics", "update_metrics"):
-                layers += _series(result.get(key, {}), LAYERS_KEY)
+    at_rollout = response_log_probs(hf, replay, training_batch(samples, every))
+    at_shifted = response_log_probs(hf, replay, training_batch(samples, every, num_experts))
+    with tempfile.TemporaryDirectory() as out_dir:
+        torch.save(at_shifted, Path(out_dir, "shifted_reference.pt"))  # the update's old log-probs build on them
+        ranks = run_ranks(cell, model, samples_path, out_dir)
+
+    def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.double() - b.double()).abs().max())
+
+    rollout_diff, reference_diff, floor, shifted_diff, ref_diff, effect, layers = [], [], [], [], [], [], []
+    for result in ranks:
+        for i, index in enumerate(result["indices"]):
+            vllm = samples[index]["log_probs"]
+            rollout_diff.append(max_diff(result["rollout"][i], vllm))
+            reference_diff.append(max_diff(result["rollout"][i], at_rollout[index]))
+            floor.append(max_diff(at_rollout[index], vllm))
+            shifted_diff.append(max_diff(result["shifted"][i], at_shifted[index]))
+            effect.append(max_diff(result["shifted"][i], vllm))
+            if "ref_pass" in result:
+                ref_diff.append(max_diff(result["ref_pass"][i], at_shifted[index]))
+        for key in ("rollout_metrics", "shifted_metrics", "ref_pass_metrics", "update_metrics"):
+            layers += _series(result.get(key, {}), LAYERS_KEY)
+    hf, replay = reference_model(model, config, ranks[0]["before"])  # with the engine's LoRA adapters
     micro_batches = [mb for result in ranks for mb in result["micro_batches"]]
     grads = reference_gradient(hf, replay, micro_batches, ranks[0]["dp"], config)
     frozen = [name for name, p in hf.named_parameters() if not p.requires_grad]
@@ -409,6 +444,8 @@ def run_cell(cell: str, model: str, samples_path: str) -> CellResult:
     return CellResult(
         cell=cell,
         rollout_log_prob_diff=max(rollout_diff),
+        reference_rollout_diff=max(reference_diff),
+        vllm_reference_diff=max(floor),
         shifted_log_prob_diff=max(shifted_diff),
         ref_pass_log_prob_diff=max(ref_diff) if ref_diff else None,
         shift_effect=max(effect),
@@ -436,14 +473,15 @@ def main(argv: list[str] | None = None) -> None:
     hf_config = AutoConfig.from_pretrained(args.model)
     moe_layers = sum(1 for i in range(hf_config.num_hidden_layers) if i not in (hf_config.mlp_only_layers or []))
     results, failed = [], []
-    print("| cell | max abs dlog-prob vs rollout | shifted routes vs reference | reference pass | "
-          "grad error (rel) | SAT gate / intercepted | R3 layers | s |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("| cell | max abs dlog-prob vs vLLM (vLLM vs reference) | vs reference, vLLM's routes | shifted routes | "
+          "reference pass | grad error (rel) | SAT gate / intercepted | R3 layers | s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for cell in args.cells.split(","):
         result = run_cell(cell, args.model, args.samples)
         results.append(result)
         ref = "-" if result.ref_pass_log_prob_diff is None else f"{result.ref_pass_log_prob_diff:.2g}"
-        print(f"| {cell} | {result.rollout_log_prob_diff:.2g} | {result.shifted_log_prob_diff:.2g} | {ref} | "
+        print(f"| {cell} | {result.rollout_log_prob_diff:.2g} ({result.vllm_reference_diff:.2g}) | "
+              f"{result.reference_rollout_diff:.2g} | {result.shifted_log_prob_diff:.2g} | {ref} | "
               f"{result.grad_error:.2g} | {result.sat_gate_rate:.3f} / {result.sat_intercepted_frac:.3f} | "
               f"{min(result.layers_replayed):.0f}-{max(result.layers_replayed):.0f} | {result.seconds:.0f} |",
               flush=True)  # fmt: skip
