@@ -246,9 +246,9 @@ class RoutingReplay:
         self._mode = "native"
         if not check:
             return
-        bypassed = [(module, slot) for module, slot in self._slots.items() if slot.layer not in self._layers_replayed]
+        bypassed = [slot for slot in self._slots.values() if slot.layer not in self._layers_replayed]
         if bypassed:
-            _, slot = bypassed[0]
+            slot = bypassed[0]
             if slot.kind in SIGMOID_GROUP_MOE_BLOCKS:
                 what = f"the MoE block {slot.name} ({slot.kind}) did not call its route_tokens_to_experts"
             else:
@@ -257,7 +257,7 @@ class RoutingReplay:
                         f"router {slot.name} ({slot.kind})")  # fmt: skip
             raise RoutingReplayError(
                 f"routing replay was armed for {len(self._slots)} MoE layers, but in layer {slot.layer} {what}, so "
-                f"the layer routed natively under R3 (layers not replayed: {sorted(s.layer for _, s in bypassed)}). "
+                f"the layer routed natively under R3 (layers not replayed: {sorted(s.layer for s in bypassed)}). "
                 "A kernel or patch that replaces the MoE block's forward (Liger, NPU, a fused MoE kernel) bypasses "
                 "the hook: turn it off for routing replay, or set router_replay.mode=disabled"
             )
