@@ -26,6 +26,7 @@ from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 from verl.workers.config import ActorConfig
 
 from verl_sat.config import sat_params_of
+from verl_sat.inert_sat import INERT_MONITOR
 from verl_sat.sat_math import SatSurrogate, sat_gspo_surrogate, sat_token_surrogate
 
 
@@ -126,6 +127,7 @@ def _sat_aggregate(
                        **_sat_batch_info(config.global_batch_info, loss_agg_mode, out))  # fmt: skip
 
     region, stats = out.region, out.region.stats
+    sequences = out.num_sequences if out.num_sequences is not None else torch.count_nonzero(mask.any(dim=-1))
     values = [
         region.quantile.double(),  # float64 first: the stack promotes every entry, so counts stay exact
         stats.gated,
@@ -133,6 +135,8 @@ def _sat_aggregate(
         stats.lower_shrink,
         stats.upper_shrink,
         stats.max_shrink,
+        stats.structurally_empty,
+        sequences,
         _sat_ppo_kl(out.log_ratio, num_active),
         region.num_units,
         num_active,
@@ -142,7 +146,9 @@ def _sat_aggregate(
         torch.zeros_like(num_active) if out.dual_clipped is None else torch.count_nonzero(out.dual_clipped),
     ]
     read = torch.stack(values).tolist()  # the one host read
-    q, gate_sum, abs_sum, lower_shrink, upper_shrink, max_shrink, ppo_kl, units, active, nan, *counts = read
+    q, gate_sum, abs_sum, lower_shrink, upper_shrink, max_shrink, empty, sequences = read[:8]
+    ppo_kl, units, active, nan, *counts = read[8:]
+    INERT_MONITOR.observe(empty, sequences, config)
     per_unit, per_token = 1.0 / max(units, 1.0), 1.0 / max(active, 1.0)
     intercepted, clipped, dual_clipped = (count * per_token for count in counts)
     return pg_loss, {
@@ -153,6 +159,8 @@ def _sat_aggregate(
         "actor/sat_eff_lower_radius": clip_low * (1.0 - lower_shrink * per_unit),
         "actor/sat_eff_upper_radius": clip_high * (1.0 - upper_shrink * per_unit),
         "actor/sat_min_factor": 1.0 - max_shrink,
+        "actor/sat_structurally_empty_frac": empty,
+        "actor/sat_seqs_per_micro_batch": sequences,
         "actor/sat_intercepted_frac": intercepted,
         "actor/sat_nan_frac": nan / max(active + nan, 1.0),
         "actor/pg_clipfrac": clipped,

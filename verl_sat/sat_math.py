@@ -111,6 +111,7 @@ class RegionStats:
     lower_shrink: torch.Tensor  # sum of 1 - c_minus
     upper_shrink: torch.Tensor  # sum of 1 - c_plus
     max_shrink: torch.Tensor  # max of 1 - kappa (0 when nothing is gated)
+    structurally_empty: torch.Tensor  # 1.0 when the top unit alone covers the quantile's rank (see below), else 0.0
 
 
 @dataclass(frozen=True)
@@ -320,6 +321,39 @@ def contraction_deficit(abs_proxy: torch.Tensor, q: torch.Tensor, gate: SatParam
     return deficit.clamp_(max=1.0 - gate.min_scale) if gate.min_scale > 0 else deficit
 
 
+def structurally_empty(
+    abs_proxy: torch.Tensor,
+    unit_mask: torch.Tensor,
+    weight: torch.Tensor | None,
+    num_units: torch.Tensor,
+    gate: SatParams,
+) -> torch.Tensor:
+    """Whether the gate is empty because of the micro-batch's shape rather than its staleness: the highest-scoring
+    unit (the heaviest of those tied at the top) stands for at least ``n - k + 1`` of the ``n`` units, ``k`` the
+    quantile's (lowest) rank, so it covers rank ``k``: ``q`` is its own score and no unit lies strictly above ``q``.
+    For ``inverted_cdf`` that is a weight above ``(1 - alpha) n``, in exact int64 arithmetic. With unit weights it
+    means ``k = n`` (at alpha 0.9: fewer than 10 units); with length weights (``sequence``) it holds whenever the top
+    sequence has more than ``1 - alpha`` of the tokens, e.g. below about 10 sequences of similar length.
+
+    Args:
+        abs_proxy: ``|d|`` per unit, 0 at inactive units; unit_mask: bool, same shape; weight: int64 tokens per unit
+            (0 at inactive units) or ``None`` (1 per active unit); num_units: 0-dim int64, ``n``.
+
+    Returns:
+        0-dim, 1.0 or 0.0 in ``abs_proxy``'s dtype; 0.0 when nothing is active.
+    """
+    ranks, _ = quantile_ranks(num_units, gate.quantile, gate.quantile_method)
+    if weight is None:
+        top_weight = unit_mask.any().long()
+    elif abs_proxy.numel() == 0:
+        top_weight = num_units.new_zeros(())
+    else:
+        at_top = torch.eq(abs_proxy, abs_proxy.amax()).logical_and_(unit_mask)
+        top_weight = torch.where(at_top, weight, 0).amax()
+    covers = torch.ge(top_weight + ranks[0], num_units + 1).logical_and_(num_units > 0)
+    return covers.to(abs_proxy.dtype)
+
+
 def trust_region(
     proxy: torch.Tensor,
     unit_mask: torch.Tensor,
@@ -347,6 +381,7 @@ def trust_region(
     if num_units is None:
         num_units = torch.count_nonzero(unit_mask) if weight is None else weight.sum()
     q = _masked_tail_quantile(a, num_units, gate.quantile, gate.quantile_method, weight)
+    empty = structurally_empty(a, unit_mask, weight, num_units, gate)
     # 1.0 where a > threshold (a - threshold has sign +1), 0.0 elsewhere: inactive units have a = 0 <= q
     threshold = q.masked_fill(q <= gate.floor, math.inf)
     gated = torch.sub(a, threshold).sign_().clamp_(min=0.0)
@@ -361,7 +396,12 @@ def trust_region(
     else:  # per-sequence units: one weighted reduction (no matmul: cuBLAS is not deterministic by default)
         sums = torch.stack(parts).reshape(len(parts), -1).mul_(weight.reshape(-1)).sum(-1).unbind()
     stats = RegionStats(
-        gated=sums[0], abs_proxy=sums[1], lower_shrink=-sums[2], upper_shrink=sums[3], max_shrink=max_shrink
+        gated=sums[0],
+        abs_proxy=sums[1],
+        lower_shrink=-sums[2],
+        upper_shrink=sums[3],
+        max_shrink=max_shrink,
+        structurally_empty=empty,
     )
     # lo = (1 - eps_lo) + eps_lo * (1 - c_minus), hi = (1 + eps_hi) - eps_hi * (1 - c_plus); adding +-0 to verl's
     # scalar leaves it bit for bit where nothing is contracted

@@ -1,0 +1,78 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""A warning, once per process, when SAT's gate is structurally empty in most micro-batches for several steps.
+
+The SAT losses call ``InertSatMonitor.observe`` with values they already read back (no extra host read). The steps
+are counted in sequences: verl hands the loss the mini-batch's sequences over all data-parallel ranks
+(``global_batch_info["global_batch_size"]``, one optimizer step) and ``dp_size``; without them, a window is
+``FALLBACK_WINDOW_CALLS`` micro-batches.
+"""
+
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+WINDOW_STEPS = 3  # optimizer steps of one window
+INERT_FRACTION = 0.5  # warn when more than this fraction of a window's micro-batches was structurally empty
+FALLBACK_WINDOW_CALLS = 32  # micro-batches of a window when the loss is not told the mini-batch size
+POLICY_LOSS = "actor_rollout_ref.actor.policy_loss"
+ACTOR = "actor_rollout_ref.actor"
+
+
+@dataclass
+class InertSatMonitor:
+    """Counts, over tumbling windows of ``WINDOW_STEPS`` optimizer steps, the micro-batches whose gate was
+    structurally empty (``sat_math.structurally_empty``), and warns once when they are most of a window."""
+
+    calls: int = 0
+    empty: float = 0.0
+    sequences: float = 0.0
+    warned: bool = False
+
+    def observe(self, empty: float, sequences: float, config) -> None:
+        """One micro-batch: ``empty`` 1.0 or 0.0, ``sequences`` its sequences, ``config`` the actor config (its
+        ``global_batch_info`` and SAT keys)."""
+        if self.warned:
+            return
+        self.calls, self.empty, self.sequences = self.calls + 1, self.empty + empty, self.sequences + sequences
+        info = getattr(config, "global_batch_info", None) or {}
+        global_batch = info.get("global_batch_size")
+        if global_batch:
+            full = self.sequences >= WINDOW_STEPS * global_batch / max(info.get("dp_size") or 1, 1)
+        else:
+            full = self.calls >= FALLBACK_WINDOW_CALLS
+        if not full:
+            return
+        if self.empty > INERT_FRACTION * self.calls:
+            logger.warning(inert_message(self.empty / self.calls, self.sequences / self.calls, config))
+            self.warned = True
+        self.calls, self.empty, self.sequences = 0, 0.0, 0.0
+
+
+def inert_message(fraction: float, sequences: float, config) -> str:
+    """The warning: what was seen, why it cannot gate, and the keys that fix it."""
+    sat = config.policy_loss.sat
+    return (
+        f"[verl-sat] SAT could not gate in {fraction:.0%} of the micro-batches of the last {WINDOW_STEPS} optimizer "
+        f"steps ({sequences:.1f} sequences per micro-batch): the highest-scoring sequence held more than "
+        f"1 - {POLICY_LOSS}.sat.quantile = {1 - sat.quantile:.3g} of the micro-batch's tokens, so no token lay above "
+        f"the quantile and {config.policy_loss.loss_mode} ran as its base loss (actor/sat_structurally_empty_frac). "
+        f"Set {POLICY_LOSS}.sat.granularity=token (per-token scores: gates with any micro-batch of more than "
+        f"1 / (1 - quantile) tokens), or put more sequences in a micro-batch: {ACTOR}.ppo_micro_batch_size_per_gpu, "
+        f"or {ACTOR}.ppo_max_token_len_per_gpu under {ACTOR}.use_dynamic_bsz=true."
+    )
+
+
+INERT_MONITOR = InertSatMonitor()
