@@ -9,7 +9,7 @@
 # missing. Extremes first. Usage: bash docs/micro_batch_sweep.sh W
 set -euo pipefail
 W=${1:?usage: bash docs/micro_batch_sweep.sh WORKDIR}
-STORE=docs/images/results/micro
+STORE=${STORE:-docs/images/results/micro}  # the record stores (default: the committed ones)
 MICRO=actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
 TOKEN=actor_rollout_ref.actor.policy_loss.sat.granularity=token
 run() { name=$1; recipes=$2; shift 2
