@@ -30,6 +30,7 @@ from verl_sat.cpu.e2e import (
     STALENESS_METRICS,
     E2EFailed,
     E2ERun,
+    check_sat_acted,
     check_staleness,
     fresh_folder,
     run_e2e,
@@ -47,6 +48,9 @@ def test_verls_async_trainer_runs_sat_gspo_with_fsdp_routing_replay_on_vllm(tiny
             assert math.isfinite(metrics[key]), key
         assert metrics["actor/mismatch_abs_log_ratio"] > 0  # bf16 rollout against the fp32 trainer (Eq. 52)
         assert 0.0 <= metrics["actor/sat_gate_rate"] <= 0.1 + 1e-9  # at most 1 - alpha of the units (Eq. 14)
+        # one rank, one token-budget micro-batch of 4 prompts x 4 responses: the sequence quantile can gate
+        assert metrics["actor/sat_seqs_per_micro_batch"] == 16.0
+        assert metrics["actor/sat_structurally_empty_frac"] == 0.0
         assert 0.0 <= metrics["actor/r3_route_flip_frac"] <= 1.0 and metrics["actor/r3_layers_replayed"] == 2.0
         assert 0.0 <= metrics["critic/score/mean"] <= 1.0  # verl's reward loop, GSM8K scorer
     assert steps[1]["training/off_policy/trajectory_staleness/max"] == 0  # the first batch: initial weights
@@ -101,3 +105,13 @@ def test_staleness_checks_accept_the_lag_and_name_a_departure(tmp_path):
         check_staleness(fully_async, _fully_async([4, 20], [0, 1]), tmp_path)  # stale before any broadcast
     with pytest.raises(E2EFailed, match=r"one version per step"):
         check_staleness(fully_async, _fully_async([0, 16], [0, 2]), tmp_path)
+
+
+def test_a_sat_run_that_never_gated_fails_naming_the_structure(tmp_path):
+    run = next(run for run in RUNS if run.folder_name == "colocate_async-sat_gspo_r3-lag1")
+    gate, empty = "actor/sat_gate_rate", "actor/sat_structurally_empty_frac"
+    check_sat_acted(run, {1: {gate: 0.0, empty: 1.0}, 2: {gate: 0.04, empty: 0.0}}, tmp_path)
+    with pytest.raises(E2EFailed, match=r"SAT never gated .*\{1: 0.0, 2: 0.0\}.*\{1: 1.0, 2: 1.0\}"):
+        check_sat_acted(run, {1: {gate: 0.0, empty: 1.0}, 2: {gate: 0.0, empty: 1.0}}, tmp_path)
+    grpo = next(run for run in RUNS if run.folder_name == "separate_async-grpo-lag8")
+    check_sat_acted(grpo, {1: {}, 2: {}}, tmp_path)  # no SAT in the recipe: nothing to act

@@ -380,17 +380,29 @@ def test_entry_point_prints_the_micro_batch_warning():
           "actor_rollout_ref.actor.policy_loss.sat.granularity=token"], None),
         (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=12",
           "actor_rollout_ref.actor.policy_loss.sat.quantile=0.95"], "set actor_rollout_ref.actor.ppo_micro_batch_size"),
+        # the paper's long-CoT budget: one full-length sequence per micro-batch
+        (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=34816",
+          "data.max_prompt_length=2048", "data.max_response_length=32768"], "holds 1, so once responses grow"),
+        # 8 x 1088 tokens: 8 full-length sequences, below 10; with two Ulysses ranks verl packs 16
+        (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8704",
+          "data.max_prompt_length=64", "data.max_response_length=1024"], "raise the budget to 10880 tokens per GPU"),
+        (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8704",
+          "data.max_prompt_length=64", "data.max_response_length=1024",
+          "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], None),
+        (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=34816",
+          "data.max_prompt_length=2048", "data.max_response_length=32768",
+          "actor_rollout_ref.actor.policy_loss.sat.granularity=token"], None),
     ],
 )  # fmt: skip
 def test_preflight_warns_when_the_micro_batch_cannot_gate(overrides, warned):
-    """SAT-GSPO's quantile is per micro-batch: a static micro-batch under 1 / (1 - alpha) sequences is named with
-    the keys that fix it."""
+    """SAT-GSPO's quantile is per micro-batch: a static micro-batch under 1 / (1 - alpha) sequences, or a dynamic
+    token budget that holds fewer full-length sequences, is named with the keys that fix it."""
     warnings = check_config(compose_recipe("sat_gspo", "lag1", *overrides))
     if warned is None:
         assert warnings == []
     else:
         assert len(warnings) == 1 and warned in warnings[0]
-        assert "actor_rollout_ref.actor.use_dynamic_bsz=true" in warnings[0]
+        assert "actor_rollout_ref.actor.policy_loss.sat.granularity=token" in warnings[0]
     token_rule = compose_recipe("sat_grpo", "lag1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1")
     assert check_config(token_rule) == []  # the token-level rule has many tokens in one sequence
 

@@ -42,6 +42,7 @@ UNREAD_KEYS = {
     FULLY_ASYNC: {"trainer.v1": "the fully-async trainer reads async_training.*, not verl's v1 trainer block"},
     "legacy": {"trainer.v1": "trainer.use_v1=false runs verl's legacy trainer"},
 }
+POLICY_LOSS_KEY = "actor_rollout_ref.actor.policy_loss"
 FSDP_STRATEGIES = ("fsdp", "fsdp2", "fsdp_turbo")
 FSDP_ROUTER_REPLAY_TARGET = "verl_sat.config.FSDPRouterReplayConfig"
 
@@ -61,7 +62,11 @@ def check_config(config: DictConfig) -> list[str]:
     _check_lag_preset(config)
     _check_fully_async(config)
     _check_routing_replay(config)
-    return [*unread_key_warnings(config), *fully_async_lag_warnings(config), *micro_batch_warnings(actor, policy_loss)]
+    return [
+        *unread_key_warnings(config),
+        *fully_async_lag_warnings(config),
+        *micro_batch_warnings(actor, policy_loss, config.get("data")),
+    ]
 
 
 def selected_trainer(config: DictConfig) -> str:
@@ -185,27 +190,46 @@ def fully_async_lag_warnings(config: DictConfig) -> list[str]:
     ]
 
 
-def micro_batch_warnings(actor: DictConfig, policy_loss) -> list[str]:
+def micro_batch_warnings(actor: DictConfig, policy_loss, data: DictConfig | None = None) -> list[str]:
     """SAT-GSPO's sequence quantile is taken per micro-batch (the paper's scope). With ``m`` sequences per
     micro-batch and quantile alpha, at most ``floor((1 - alpha) m)`` sequences can lie above it counted once each,
-    so ``m < 1 / (1 - alpha)`` gates almost nothing, and ``m = 1`` nothing at all (SAT-GSPO is then GSPO). verl's
-    dynamic batching sizes micro-batches by tokens instead, so it is not checked."""
+    so ``m < 1 / (1 - alpha)`` gates almost nothing, and ``m = 1`` nothing at all (SAT-GSPO is then GSPO). Under
+    verl's dynamic batching a micro-batch holds ``ppo_max_token_len_per_gpu`` tokens per sequence-parallel rank
+    (verl's ``prepare_micro_batches`` multiplies by the Ulysses size): once responses reach
+    ``data.max_response_length`` that is ``floor(budget / (max_prompt_length + max_response_length))`` sequences, the
+    long-CoT case. Per-token scores (``granularity=token``) are not affected."""
     sat = getattr(policy_loss, "sat", None)
     if policy_loss.loss_mode != "sat_gspo" or sat is None or sat.granularity == "token":
         return []
-    micro = actor.get("ppo_micro_batch_size_per_gpu")
-    if actor.get("use_dynamic_bsz", False) or micro is None:
-        return []
     needed = math.ceil(1 / (1 - Fraction(repr(sat.quantile))))
-    if micro >= needed:
+    token = f"{POLICY_LOSS_KEY}.sat.granularity=token"
+    if actor.get("use_dynamic_bsz", False):
+        budget = actor.get("ppo_max_token_len_per_gpu")
+        longest = None if data is None else data.get("max_prompt_length", 0) + data.get("max_response_length", 0)
+        if budget is None or not longest:
+            return []
+        micro = budget * (actor.get("ulysses_sequence_parallel_size") or 1) // longest
+        if micro >= needed:
+            return []
+        return [
+            f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}: a micro-batch of full-length sequences "
+            f"(data.max_prompt_length + data.max_response_length = {longest} tokens) holds {micro}, so once "
+            f"responses grow to the limit SAT-GSPO's per-micro-batch sequence quantile "
+            f"(policy_loss.sat.quantile={sat.quantile}) cannot gate: the top sequence holds more than 1 - quantile "
+            f"of the tokens (needs {needed} or more sequences). Set {token} (per-token scores gate within one "
+            f"sequence), or raise the budget to {needed * longest} tokens per GPU. actor/sat_structurally_empty_frac "
+            "shows it per step."
+        ]
+    micro = actor.get("ppo_micro_batch_size_per_gpu")
+    if micro is None or micro >= needed:
         return []
     effect = "nothing: SAT-GSPO is exactly GSPO" if micro == 1 else "almost nothing"
     return [
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}: SAT-GSPO takes its quantile over the "
         f"sequences of one micro-batch, so with {micro} sequence(s) and policy_loss.sat.quantile={sat.quantile} it "
-        f"gates {effect}. Use verl's dynamic batching (actor_rollout_ref.actor.use_dynamic_bsz=true with "
-        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=TOKENS; the paper packs 32k tokens per GPU) or set "
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu >= {needed}."
+        f"gates {effect}. Set {token} (per-token scores), use verl's dynamic batching "
+        "(actor_rollout_ref.actor.use_dynamic_bsz=true with actor_rollout_ref.actor.ppo_max_token_len_per_gpu=TOKENS) "
+        f"or set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu >= {needed}."
     ]
 
 

@@ -47,7 +47,9 @@ from tqdm import tqdm
 
 from verl_sat.mismatch import MISMATCH_METRIC
 
-SAT_METRICS = ("actor/sat_gate_rate", "actor/sat_q", "actor/sat_intercepted_frac", "actor/sat_abs_log_ratio_mean")
+SAT_GATE = "actor/sat_gate_rate"
+SAT_METRICS = (SAT_GATE, "actor/sat_q", "actor/sat_intercepted_frac", "actor/sat_abs_log_ratio_mean",
+               "actor/sat_structurally_empty_frac", "actor/sat_seqs_per_micro_batch")  # fmt: skip
 R3_METRICS = ("actor/r3_route_flip_frac", "actor/r3_layers_replayed")
 STALENESS_METRICS = ("training/off_policy/trajectory_staleness/mean", "training/off_policy/trajectory_staleness/max",
                      "training/off_policy/trajectory_staleness/min")  # fmt: skip
@@ -87,9 +89,13 @@ class E2ERun:
         return f"{self.trainer}-{self.name}"
 
 
-# colocate_async on the CPU: vLLM as verl's hybrid replicas, inside the two training workers
+# colocate_async on the CPU: vLLM as verl's hybrid replicas, inside the two training workers; 8 prompts a step, so
+# that each rank's micro-batch holds 16 sequences: at 8 (the preset's 4 prompts x 4 responses over two ranks) the
+# highest-scoring sequence holds more than 1 - alpha of a micro-batch's tokens and SAT-GSPO's per-micro-batch
+# sequence quantile cannot gate (actor/sat_structurally_empty_frac 1.0)
 COLOCATE_ASYNC = ("trainer.v1.trainer_mode=colocate_async", "actor_rollout_ref.hybrid_engine=true",
-                  "actor_rollout_ref.rollout.checkpoint_engine.backend=naive", "trainer.n_gpus_per_node=2")  # fmt: skip
+                  "actor_rollout_ref.rollout.checkpoint_engine.backend=naive", "trainer.n_gpus_per_node=2",
+                  "data.train_batch_size=8")  # fmt: skip
 # verl's fully-async trainer on the CPU: 4 prompts per optimizer step, its rollouter on one slot, 24 prompts in all
 # (the run ends when its rollouter has consumed them), and the logical CPUs its Ray actors reserve (23, plus 3 per
 # training and 2 per rollout slot)
@@ -165,6 +171,7 @@ def run_e2e(workdir: Path, runs: tuple[E2ERun, ...] = RUNS, out: Path | None = N
             raise E2EFailed(f"{run.folder_name}: verl's metrics lack {missing} (see {folder / 'metrics.jsonl'})")
         check_staleness(run, steps, folder, first_steps={done + 1 for _, done, _ in phases})
         check_mismatch(run, steps, folder)
+        check_sat_acted(run, steps, folder)
         results[run.folder_name] = {"steps": steps, "seconds": seconds, "peak_pss_bytes": peak, "folder": str(folder)}
     return results
 
@@ -271,6 +278,19 @@ def check_mismatch(run: E2ERun, steps: dict[int, dict], folder: Path) -> None:
     if any(value is None or value > run.mismatch_max for value in values.values()):
         raise E2EFailed(f"{run.folder_name}: {MISMATCH_METRIC} per step {values}, expected at most {run.mismatch_max} "
                         f"at every step: the rollout engine's weights differ from the trainer's (see "
+                        f"{folder / 'metrics.jsonl'})")  # fmt: skip
+
+
+def check_sat_acted(run: E2ERun, steps: dict[int, dict], folder: Path) -> None:
+    """A SAT run must have gated at some step (``actor/sat_gate_rate`` above 0): logging SAT's metrics is not enough,
+    since a gate that is structurally empty in every micro-batch leaves the base loss."""
+    if SAT_GATE not in run.required:
+        return
+    rates = {step: m.get(SAT_GATE) for step, m in sorted(steps.items())}
+    if not any(rate is not None and rate > 0 for rate in rates.values()):
+        empty = {step: m.get("actor/sat_structurally_empty_frac") for step, m in sorted(steps.items())}
+        raise E2EFailed(f"{run.folder_name}: SAT never gated ({SAT_GATE} per step {rates}; structurally empty "
+                        f"micro-batches {empty}): SAT ran as its base loss (see "
                         f"{folder / 'metrics.jsonl'})")  # fmt: skip
 
 

@@ -48,7 +48,8 @@ SEQS_PER_MICRO_BATCH = "actor/sat_seqs_per_micro_batch"
 # summary key -> metric averaged over the last MISMATCH_TAIL of the steps
 TAIL_MEANS = {"last_epoch_mismatch": MISMATCH, "last_policy_lag": POLICY_LAG, "last_engine_mismatch": ENGINE_MISMATCH,
               "last_intercepted_frac": INTERCEPTED, "last_gate_rate": GATE_RATE, "last_q": SAT_Q,
-              "last_structurally_empty": STRUCTURALLY_EMPTY, "last_seqs_per_micro_batch": SEQS_PER_MICRO_BATCH}  # fmt: skip
+              "last_structurally_empty": STRUCTURALLY_EMPTY,
+              "last_seqs_per_micro_batch": SEQS_PER_MICRO_BATCH}  # fmt: skip
 COLLAPSE_RATIO = 0.5  # collapsed: last accuracy < COLLAPSE_RATIO x best accuracy
 MISMATCH_TAIL = 0.1  # last-epoch mismatch of a run: mean over its last 10% of steps
 

@@ -1,0 +1,181 @@
+# Copyright 2026 The verl-sat Authors
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""When SAT cannot act: ``actor/sat_structurally_empty_frac`` (the top unit covers the quantile's rank) against the
+gate itself, its exact boundary in sequences per micro-batch, ``actor/sat_seqs_per_micro_batch``, and the warning
+that names the keys when most micro-batches of several optimizer steps were structurally empty."""
+
+import logging
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+from conftest import AGG_MODES, QUANTILE_METHODS, gate_config
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+from verl_sat import inert_sat
+from verl_sat.sat_math import sat_gspo_surrogate, sat_token_surrogate
+
+GRANULARITIES = ["sequence", "sequence_uniform", "token"]
+
+
+def _micro_batch(sequences: int, seed: int, lengths: tuple[int, int] = (3, 12), scale: float = 0.2):
+    """``sequences`` responses of random lengths, distinct log-ratios: ``(log_prob, old_log_prob, adv, mask)``."""
+    g = torch.Generator().manual_seed(seed)
+    longest = lengths[1]
+    length = torch.randint(lengths[0], longest + 1, (sequences,), generator=g)
+    mask = torch.arange(longest)[None, :] < length[:, None]
+    old = -torch.rand(sequences, longest, generator=g, dtype=torch.float64) * 3
+    log_prob = old + torch.randn(sequences, longest, generator=g, dtype=torch.float64) * scale
+    adv = torch.randn(sequences, 1, generator=g, dtype=torch.float64).expand(-1, longest).clone()
+    return log_prob, old, adv, mask
+
+
+def _surrogate(granularity, method, alpha, batch):
+    log_prob, old, adv, mask = batch
+    gate = gate_config("sat_gspo", granularity, quantile=alpha, quantile_method=method)
+    return sat_gspo_surrogate(log_prob, old, adv, mask, 0.2, 0.2, gate, granularity)
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("method", QUANTILE_METHODS)
+@pytest.mark.parametrize("alpha", [0.5, 0.9, 0.95])
+def test_structurally_empty_exactly_when_nothing_can_be_gated(granularity, method, alpha):
+    """With distinct scores and floor 0, the gate is empty if and only if the metric says the micro-batch was
+    structurally empty, over micro-batches of 1 to 24 sequences."""
+    seen = set()
+    for sequences in range(1, 25):
+        for seed in range(3):
+            out = _surrogate(granularity, method, alpha, _micro_batch(sequences, seed))
+            empty, gated = float(out.region.stats.structurally_empty), float(out.region.stats.gated)
+            assert empty in (0.0, 1.0)
+            assert (empty == 1.0) == (gated == 0.0), (sequences, seed, empty, gated)
+            seen.add(empty)
+    # per-token scores are structurally empty only below 1 / (1 - alpha) tokens (inverted_cdf) or at one token (linear)
+    if granularity != "token" or (alpha >= 0.9 and method == "inverted_cdf"):
+        assert seen == {0.0, 1.0}  # both sides of the boundary were reached
+
+
+def _top_share_boundary(alpha: float, tokens_per_sequence: int, sequences: int) -> bool:
+    """Equal-length sequences under ``sequence`` granularity: empty iff one sequence's tokens exceed (1 - alpha) of
+    the micro-batch's, in exact rational arithmetic."""
+    return tokens_per_sequence > (1 - Fraction(repr(alpha))) * tokens_per_sequence * sequences
+
+
+@pytest.mark.parametrize("alpha", [0.8, 0.9, 0.95])
+def test_equal_length_boundary_is_one_over_one_minus_alpha_sequences(alpha):
+    """Equal lengths: the sequence quantile is structurally empty below 1 / (1 - alpha) sequences (10 at 0.9) and not
+    from there on, whatever the staleness; the metric reports it, and sequences per micro-batch are counted."""
+    config = _actor_config("sat_gspo", "sequence", alpha)
+    for sequences in range(1, 2 * math.ceil(1 / (1 - alpha)) + 1):
+        log_prob, old, adv, _ = _micro_batch(sequences, 0)
+        mask = torch.ones_like(log_prob, dtype=torch.bool)
+        _, metrics = get_policy_loss_fn("sat_gspo")(old, log_prob, adv, mask, "seq-mean-token-mean", config)
+        expected = _top_share_boundary(alpha, log_prob.shape[1], sequences)
+        assert metrics["actor/sat_structurally_empty_frac"] == float(expected)
+        assert (metrics["actor/sat_gate_rate"] == 0.0) == expected
+        assert metrics["actor/sat_seqs_per_micro_batch"] == sequences
+
+
+def _actor_config(loss, granularity, alpha=0.9):
+    from conftest import actor_config
+
+    config = actor_config(loss_mode=loss)
+    object.__setattr__(config.policy_loss, "sat", gate_config(loss, granularity, quantile=alpha))
+    return config
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_token_rule_and_token_granularity_act_on_one_sequence(agg):
+    """One sequence of 30 tokens: per-token scores still gate (not structurally empty), the sequence scores cannot."""
+    log_prob, old, adv, mask = _micro_batch(1, 4, lengths=(30, 30))
+    for loss, granularity, empty in (("sat", "sequence", 0.0), ("sat_gspo", "token", 0.0),
+                                     ("sat_gspo", "sequence", 1.0)):  # fmt: skip
+        _, metrics = get_policy_loss_fn(loss)(old, log_prob, adv, mask, agg, _actor_config(loss, granularity))
+        assert metrics["actor/sat_structurally_empty_frac"] == empty
+        assert metrics["actor/sat_seqs_per_micro_batch"] == 1.0
+        assert (metrics["actor/sat_gate_rate"] > 0) == (empty == 0.0)
+
+
+def test_token_surrogate_structural_boundary_is_ten_tokens():
+    """Unit weights at alpha 0.9: 9 active tokens cannot gate (rank 9 of 9), 10 can (rank 9 of 10)."""
+    gate = gate_config("sat", "sequence", quantile=0.9)
+    for tokens, empty in ((9, 1.0), (10, 0.0)):
+        log_prob, old, adv, mask = _micro_batch(1, 0, lengths=(tokens, tokens))
+        out = sat_token_surrogate(log_prob, old, adv, mask, 0.2, 0.2, 3.0, gate)
+        assert float(out.region.stats.structurally_empty) == empty
+
+
+def test_an_all_inactive_micro_batch_is_not_counted_as_structurally_empty():
+    log_prob, old, adv, mask = _micro_batch(4, 0)
+    for granularity in GRANULARITIES:
+        out = _surrogate(granularity, "inverted_cdf", 0.9, (log_prob, old, adv, torch.zeros_like(mask)))
+        assert float(out.region.stats.structurally_empty) == 0.0
+
+
+class _Config:
+    """The two things the monitor reads off verl's actor config."""
+
+    def __init__(self, global_batch_size, dp_size=2, loss_mode="sat_gspo"):
+        self.global_batch_info = {"global_batch_size": global_batch_size, "dp_size": dp_size}
+        self.policy_loss = type("PolicyLoss", (), {"loss_mode": loss_mode, "sat": gate_config("sat_gspo", "sequence")})
+
+
+def test_the_warning_names_the_keys_after_several_inert_optimizer_steps(caplog):
+    """Two ranks, 64 sequences per optimizer step (32 per rank) in micro-batches of 8: a window is 3 steps = 12
+    micro-batches on this rank. Half of them empty: no warning; most of them: one warning, naming the keys."""
+    monitor = inert_sat.InertSatMonitor()
+    config = _Config(global_batch_size=64)
+    with caplog.at_level(logging.WARNING, logger=inert_sat.__name__):
+        for call in range(12):
+            monitor.observe(float(call % 2), 8.0, config)
+        assert not caplog.records and monitor.calls == 0  # the window closed without a warning
+        for _ in range(11):
+            monitor.observe(1.0, 8.0, config)
+        assert not caplog.records  # the window is not full yet
+        monitor.observe(0.0, 8.0, config)
+        assert len(caplog.records) == 1
+        for _ in range(50):
+            monitor.observe(1.0, 8.0, config)
+        assert len(caplog.records) == 1  # once per process
+    message = caplog.records[0].getMessage()
+    assert "92% of the micro-batches of the last 3 optimizer steps (8.0 sequences per micro-batch)" in message
+    for key in ("actor_rollout_ref.actor.policy_loss.sat.granularity=token",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                "actor/sat_structurally_empty_frac"):  # fmt: skip
+        assert key in message
+
+
+def test_without_the_mini_batch_size_a_window_is_a_fixed_number_of_micro_batches(caplog):
+    monitor = inert_sat.InertSatMonitor()
+    config = _Config(global_batch_size=None)
+    with caplog.at_level(logging.WARNING, logger=inert_sat.__name__):
+        for _ in range(inert_sat.FALLBACK_WINDOW_CALLS - 1):
+            monitor.observe(1.0, 2.0, config)
+        assert not caplog.records
+        monitor.observe(1.0, 2.0, config)
+    assert len(caplog.records) == 1
+
+
+def test_the_losses_feed_the_process_monitor(monkeypatch):
+    """verl's registered loss reports every micro-batch to the process's monitor, with the values it logs."""
+    seen = []
+    monkeypatch.setattr(
+        inert_sat.INERT_MONITOR, "observe", lambda empty, sequences, config: seen.append((empty, sequences))
+    )
+    log_prob, old, adv, mask = _micro_batch(4, 1)
+    get_policy_loss_fn("sat_gspo")(old, log_prob, adv, mask, "token-mean", _actor_config("sat_gspo", "sequence"))
+    get_policy_loss_fn("sat")(old, log_prob, adv, mask, "token-mean", _actor_config("sat", "sequence"))
+    assert seen == [(1.0, 4.0), (0.0, 4.0)]
