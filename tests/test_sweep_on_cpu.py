@@ -24,10 +24,13 @@ import pytest
 from verl_sat import cli
 from verl_sat.embedded import sweep as sweep_module
 from verl_sat.embedded.report import (
+    MICRO_BATCH_KEY,
     _row_label,
     aggregate,
     base_settings,
+    default_micro_batch_size,
     mean_se,
+    micro_batch_view,
     paired,
     paired_t_test,
     read_records,
@@ -192,6 +195,35 @@ def test_sat_knob_rows_pair_with_the_base_without_the_knob():
     assert _row_label(("sat_gspo_r3", (knob, radius, "--optimizer-steps 120")), {radius}) == (
         "sat_gspo_r3 quantile=0.8 --optimizer-steps 120"
     )
+
+
+def test_micro_batch_view_pairs_each_size_with_its_own_base(tmp_path):
+    """Rows at several micro-batch sizes: each SAT row (the token knob too) pairs with the base row at its own size;
+    the engine's default size (no override) is a size of its own; the table and micro_batch.png are written."""
+    token = "actor_rollout_ref.actor.policy_loss.sat.granularity=token"
+    records = []
+    for size, gain in ((None, 0.10), (8, 0.0)):
+        micro = [] if size is None else [f"{MICRO_BATCH_KEY}={size}"]
+        for s in (0, 1, 2):
+            records.append(record("gspo", 8, s, 0.3, 0.2, 0.1) | {"overrides": micro})
+            records.append(record("sat_gspo", 8, s, 0.3 + gain + 0.01 * s, 0.3, 0.1, last_gate_rate=gain,
+                                  last_structurally_empty=float(gain == 0)) | {"overrides": micro})  # fmt: skip
+            records.append(record("sat_gspo", 8, s, 0.35 + 0.01 * s, 0.3, 0.1, last_gate_rate=0.1,
+                                  last_structurally_empty=0.0) | {"overrides": [*micro, token]})  # fmt: skip
+    view = micro_batch_view(aggregate(records), paired(records))
+    default = default_micro_batch_size()
+    assert [(v["micro_batch"], v["label"]) for v in view] == [
+        (default, "gspo"), (default, "sat_gspo"), (default, "sat_gspo granularity=token"),
+        (8, "gspo"), (8, "sat_gspo"), (8, "sat_gspo granularity=token")]  # fmt: skip
+    gains = [None if v["pair"] is None else round(v["pair"]["mean_diff"], 6) for v in view]
+    assert gains == [None, 0.11, 0.06, None, 0.01, 0.06]
+    assert view[4]["pair"]["diff_se"] == pytest.approx(0.01 / math.sqrt(3))
+    write_report(tmp_path, records, ["verl-sat sweep ..."])
+    table = (tmp_path / "results.md").read_text()
+    assert "## Sequences per micro-batch (lag8)" in table
+    assert "| 8 | sat_gspo | 3 | 31.0 ± 0.6 | 30.0 ± 0.0 | +1.0 (" in table and "| 1.00 |" in table
+    assert (tmp_path / "micro_batch.png").stat().st_size > 10_000
+    assert micro_batch_view(aggregate(records[:3]), paired(records[:3])) == []  # one size: no view
 
 
 def test_report_selects_recipes_and_lags(tmp_path, capsys):

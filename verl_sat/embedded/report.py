@@ -18,16 +18,21 @@ A row is one (recipe, lag, settings), settings being the sweep's overrides and `
 compares a SAT recipe with its base recipe on the seeds both ran with the same lag and settings (two-sided paired
 t-test on the per-seed difference). Output in ``OUT/``:
 ``results.json`` (``command``, ``rows``, ``paired``), ``results.csv``, ``results.md``, ``curves_<lag>.png``,
-``mismatch.png``, ``attribution.png`` and, when there are paired entries, ``regime_map.png``.
+``mismatch.png``, ``attribution.png``, when there are paired entries ``regime_map.png``, and when the rows differ in
+sequences per micro-batch (``actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu``) ``micro_batch.png`` with its
+table in ``results.md``.
 """
 
 import csv
+import functools
 import io
 import json
 import math
+from importlib.resources import files
 from pathlib import Path
 
 import mpmath
+from omegaconf import OmegaConf
 
 from verl_sat.embedded import run_files
 from verl_sat.recipe_catalog import PAPER_TABLE_1
@@ -44,7 +49,10 @@ ROW_MEANS = {
     "q_over_radius": "last_q_over_radius",
     "policy_lag_abs_mean": "last_policy_lag",
     "engine_abs_mean": "last_engine_mismatch",
+    "structurally_empty": "last_structurally_empty",
+    "seqs_per_micro_batch": "last_seqs_per_micro_batch",
 }
+MICRO_BATCH_KEY = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
 
 
 def mean_se(values: list[float]) -> tuple[float, float | None]:
@@ -156,7 +164,8 @@ def paired(records: list[dict]) -> list[dict]:
         for metric, prefix in (("best_accuracy", ""), ("last_accuracy", "last_")):
             diffs = [sat[metric] - base[metric] for sat, base in pairs]
             t, p = paired_t_test(diffs)
-            entry |= {f"{prefix}mean_diff": sum(diffs) / len(diffs), f"{prefix}t": t, f"{prefix}p_value": p,
+            entry |= {f"{prefix}mean_diff": sum(diffs) / len(diffs), f"{prefix}diff_se": mean_se(diffs)[1],
+                      f"{prefix}t": t, f"{prefix}p_value": p,
                       f"{prefix}wins": sum(d > 0 for d in diffs),
                       f"{prefix}losses": sum(d < 0 for d in diffs)}  # fmt: skip
         entry["q_over_radius"] = _mean_or_none([sat.get("last_q_over_radius") for sat, _ in pairs])
@@ -178,6 +187,7 @@ def write_report(out: Path, records: list[dict], commands: list[str], failed: li
     run_files.write_atomic(out / "results.csv", buffer.getvalue())
     run_files.write_atomic(out / "results.md", results_markdown(rows, pairs, commands, failed))
     plot_report(out, records, rows, pairs)
+    plot_micro_batch(out, rows, pairs)
 
 
 def _pct(value: float | None, se: float | None = None) -> str:
@@ -229,6 +239,7 @@ def results_markdown(rows: list[dict], pairs: list[dict], commands: list[str], f
                   f"{100 * e['last_mean_diff']:+.1f} | {_p(e['last_p_value'])} | {_num(e['q_over_radius'], 3)} |"
                   for e in pairs]  # fmt: skip
         lines.append("")
+    lines += micro_batch_markdown(rows, pairs)
     if failed:
         lines += ["Failed cells (see the sweep's logs/): " + ", ".join(failed), ""]
     recipes = list(dict.fromkeys(r["recipe"] for r in rows))
@@ -239,6 +250,70 @@ def results_markdown(rows: list[dict], pairs: list[dict], commands: list[str], f
               f"{' then collapse' if PAPER_TABLE_1[recipe].collapses_at_lag8 else ''} |"
               for recipe in recipes if recipe in PAPER_TABLE_1]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+@functools.cache
+def default_micro_batch_size() -> int:
+    """The embedded engine's ``ppo_micro_batch_size_per_gpu`` (``recipes/embedded/default.yaml``)."""
+    preset = files("verl_sat.recipes").joinpath("embedded", "default.yaml").read_text()
+    return int(OmegaConf.create(preset).actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu)
+
+
+def micro_batch_size(settings_: list[str] | tuple[str, ...]) -> int:
+    """Sequences per micro-batch of a row: its ``MICRO_BATCH_KEY`` override, else the engine's default."""
+    for setting in settings_:
+        key, _, value = setting.lstrip("+").partition("=")
+        if key == MICRO_BATCH_KEY:
+            return int(value)
+    return default_micro_batch_size()
+
+
+def _without_micro_batch(settings_) -> tuple[str, ...]:
+    return tuple(s for s in settings_ if s.lstrip("+").partition("=")[0] != MICRO_BATCH_KEY)
+
+
+def micro_batch_view(rows: list[dict], pairs: list[dict]) -> list[dict]:
+    """When the rows span several micro-batch sizes: one entry per (lag, micro-batch size, row), the row's accuracy
+    and SAT diagnostics with, for a SAT row, its paired difference to the base row at the same size; sorted by lag,
+    size (largest first) and recipe. Empty otherwise."""
+    if len({micro_batch_size(r["settings"]) for r in rows}) < 2:
+        return []
+    by_row = {(p["recipe"], p["lag_label"], tuple(p["settings"])): p for p in pairs}
+    common = set.intersection(*(set(_without_micro_batch(r["settings"])) for r in rows))
+    view = []
+    for row in rows:
+        pair = by_row.get((row["recipe"], row["lag_label"], tuple(row["settings"])))
+        view.append({
+            "lag_label": row["lag_label"], "micro_batch": micro_batch_size(row["settings"]),
+            "label": _row_label((row["recipe"], _without_micro_batch(row["settings"])), common), "row": row,
+            "pair": pair,
+        })  # fmt: skip
+    return sorted(view, key=lambda v: (v["lag_label"], -v["micro_batch"], v["row"]["recipe"], v["label"]))
+
+
+def micro_batch_markdown(rows: list[dict], pairs: list[dict]) -> list[str]:
+    """The table of ``micro_batch_view``, one per lag."""
+    view = micro_batch_view(rows, pairs)
+    lines = []
+    for label in dict.fromkeys(v["lag_label"] for v in view):
+        lines += [f"## Sequences per micro-batch ({label})", "",
+                  "The optimizer step is the same at every size; only the sequences per forward/backward, and so per "
+                  "SAT quantile, change. Δ: SAT row - base row at the same size, paired by seed (p: two-sided paired "
+                  "t-test). empty: micro-batches whose gate could not act (actor/sat_structurally_empty_frac).", "",
+                  "| seqs / micro-batch | row | seeds | best acc | last acc | Δ best (p, wins/losses) | Δ last (p) "
+                  "| gate | empty | intercepted | d̄π |", "|---" * 11 + "|"]  # fmt: skip
+        for v in (v for v in view if v["lag_label"] == label):
+            r, e = v["row"], v["pair"]
+            delta = "-" if e is None else (f"{100 * e['mean_diff']:+.1f} ({_p(e['p_value'])}, "
+                                           f"{e['wins']}/{e['losses']})")  # fmt: skip
+            delta_last = "-" if e is None else f"{100 * e['last_mean_diff']:+.1f} ({_p(e['last_p_value'])})"
+            lines.append(f"| {v['micro_batch']} | {v['label']} | {r['seeds']} | "
+                         f"{_pct(r['best_accuracy'], r['best_accuracy_se'])} | "
+                         f"{_pct(r['last_accuracy'], r['last_accuracy_se'])} | {delta} | {delta_last} | "
+                         f"{_num(r['gate_rate'], 3)} | {_num(r['structurally_empty'], 2)} | "
+                         f"{_num(r['intercepted_frac'])} | {_num(r['last_epoch_mismatch'])} |")  # fmt: skip
+        lines.append("")
+    return lines
 
 
 def _row_label(row_key: tuple, common: set[str]) -> str:
@@ -357,6 +432,48 @@ def plot_report(out: Path, records: list[dict], rows: list[dict], pairs: list[di
                 gain.scatter([], [], color=color, label=recipe)
             gain.legend(fontsize=8)
         save(fig, "regime_map.png")
+
+
+def plot_micro_batch(out: Path, rows: list[dict], pairs: list[dict]) -> None:
+    """``micro_batch.png``: per SAT row, its paired gain (best and last accuracy, mean ± standard error over seeds)
+    and its gate rate and structurally empty fraction against sequences per micro-batch (log scale)."""
+    view = [v for v in micro_batch_view(rows, pairs) if v["pair"] is not None]
+    if not view:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (best, last, gate) = plt.subplots(1, 3, figsize=(15, 4.5))
+    series = dict.fromkeys((v["lag_label"], v["label"]) for v in view)
+    for i, key in enumerate(series):
+        points = sorted((v for v in view if (v["lag_label"], v["label"]) == key), key=lambda v: v["micro_batch"])
+        sizes = [v["micro_batch"] for v in points]
+        color, text = plt.cm.tab10(i % 10), f"{key[1]} ({key[0]})"
+        for ax, prefix in ((best, ""), (last, "last_")):
+            ax.errorbar(sizes, [100 * v["pair"][f"{prefix}mean_diff"] for v in points],
+                        yerr=[100 * (v["pair"][f"{prefix}diff_se"] or 0.0) for v in points], color=color,
+                        marker="o", capsize=3, label=text)  # fmt: skip
+        gate.plot(sizes, [v["row"]["gate_rate"] for v in points], color=color, marker="o", label=f"{text}: gate rate")
+        empty = [(s, v["row"]["structurally_empty"]) for s, v in zip(sizes, points, strict=True)
+                 if v["row"]["structurally_empty"] is not None]  # fmt: skip
+        if empty:
+            gate.plot(*zip(*empty, strict=True), color=color, marker="x", linestyle="--",
+                      label=f"{text}: structurally empty")  # fmt: skip
+    for ax, title in ((best, "SAT - base, best accuracy (points)"), (last, "SAT - base, last accuracy (points)"),
+                      (gate, "gate rate / structurally empty micro-batches")):  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="sequences per micro-batch", title=title)
+        ax.grid(alpha=0.3)
+        if ax is not gate:
+            ax.axhline(0, color="gray", lw=0.8)
+    best.legend(fontsize=7)
+    gate.legend(fontsize=6)
+    fig.suptitle("SAT's paired gain against sequences per micro-batch (mean ± standard error over seeds)")
+    fig.tight_layout()
+    fig.savefig(out / "micro_batch.png", dpi=110)
+    plt.close(fig)
 
 
 def read_records(stores: list[str | Path]) -> list[dict]:
