@@ -124,33 +124,29 @@ def test_an_all_inactive_micro_batch_is_not_counted_as_structurally_empty():
         assert float(out.region.stats.structurally_empty) == 0.0
 
 
-class _Config:
-    """The two things the monitor reads off verl's actor config."""
-
-    def __init__(self, global_batch_size, dp_size=2, loss_mode="sat_gspo"):
-        self.global_batch_info = {"global_batch_size": global_batch_size, "dp_size": dp_size}
-        self.policy_loss = type("PolicyLoss", (), {"loss_mode": loss_mode, "sat": gate_config("sat_gspo", "sequence")})
+KEY_FORMAT = "actor_rollout_ref.actor.policy_loss.sat.{}"
 
 
 def test_the_warning_names_the_keys_after_several_inert_optimizer_steps(caplog):
     """Two ranks, 64 sequences per optimizer step (32 per rank) in micro-batches of 8: a window is 3 steps = 12
     micro-batches on this rank. Half of them empty: no warning; most of them: one warning, naming the keys."""
     monitor = inert_sat.InertSatMonitor()
-    config = _Config(global_batch_size=64)
+    info = {"global_batch_size": 64, "dp_size": 2}
     with caplog.at_level(logging.WARNING, logger=inert_sat.__name__):
         for call in range(12):
-            monitor.observe(float(call % 2), 8.0, config)
+            monitor.observe(float(call % 2), 8.0, info, 0.9, KEY_FORMAT)
         assert not caplog.records and monitor.calls == 0  # the window closed without a warning
         for _ in range(11):
-            monitor.observe(1.0, 8.0, config)
+            monitor.observe(1.0, 8.0, info, 0.9, KEY_FORMAT)
         assert not caplog.records  # the window is not full yet
-        monitor.observe(0.0, 8.0, config)
+        monitor.observe(0.0, 8.0, info, 0.9, KEY_FORMAT)
         assert len(caplog.records) == 1
         for _ in range(50):
-            monitor.observe(1.0, 8.0, config)
+            monitor.observe(1.0, 8.0, info, 0.9, KEY_FORMAT)
         assert len(caplog.records) == 1  # once per process
     message = caplog.records[0].getMessage()
     assert "92% of the micro-batches of the last 3 optimizer steps (8.0 sequences per micro-batch)" in message
+    assert "1 - actor_rollout_ref.actor.policy_loss.sat.quantile = 0.1 of the micro-batch's units" in message
     for key in ("actor_rollout_ref.actor.policy_loss.sat.granularity=token",
                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
                 "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.actor.use_dynamic_bsz=true",
@@ -160,22 +156,23 @@ def test_the_warning_names_the_keys_after_several_inert_optimizer_steps(caplog):
 
 def test_without_the_mini_batch_size_a_window_is_a_fixed_number_of_micro_batches(caplog):
     monitor = inert_sat.InertSatMonitor()
-    config = _Config(global_batch_size=None)
     with caplog.at_level(logging.WARNING, logger=inert_sat.__name__):
         for _ in range(inert_sat.FALLBACK_WINDOW_CALLS - 1):
-            monitor.observe(1.0, 2.0, config)
+            monitor.observe(1.0, 2.0, {"global_batch_size": None}, 0.9, KEY_FORMAT)
         assert not caplog.records
-        monitor.observe(1.0, 2.0, config)
+        monitor.observe(1.0, 2.0, None, 0.9, KEY_FORMAT)
     assert len(caplog.records) == 1
 
 
 def test_the_losses_feed_the_process_monitor(monkeypatch):
-    """verl's registered loss reports every micro-batch to the process's monitor, with the values it logs."""
+    """verl's registered losses report every micro-batch to the process's monitor, with the values they log and the
+    config's global batch info."""
     seen = []
-    monkeypatch.setattr(
-        inert_sat.INERT_MONITOR, "observe", lambda empty, sequences, config: seen.append((empty, sequences))
-    )
+    monkeypatch.setattr(inert_sat.INERT_MONITOR, "observe", lambda *args: seen.append(args))
     log_prob, old, adv, mask = _micro_batch(4, 1)
-    get_policy_loss_fn("sat_gspo")(old, log_prob, adv, mask, "token-mean", _actor_config("sat_gspo", "sequence"))
-    get_policy_loss_fn("sat")(old, log_prob, adv, mask, "token-mean", _actor_config("sat", "sequence"))
-    assert seen == [(1.0, 4.0), (0.0, 4.0)]
+    for loss in ("sat_gspo", "sat"):
+        config = _actor_config(loss, "sequence")
+        config.global_batch_info.update(global_batch_size=64, dp_size=2, batch_num_tokens=int(mask.sum()) * 2)
+        get_policy_loss_fn(loss)(old, log_prob, adv, mask, "token-mean", config)
+    info = {"global_batch_size": 64, "dp_size": 2, "batch_num_tokens": int(mask.sum()) * 2}
+    assert seen == [(1.0, 4.0, info, 0.9, KEY_FORMAT), (0.0, 4.0, info, 0.9, KEY_FORMAT)]

@@ -112,6 +112,7 @@ def test_series_has_four_patches_and_a_pr_text(series):
     assert f"-        {FLUSH_CALL}+        {FIXED_CALL}" in texts[3]
     for path in (
         "verl/trainer/ppo/sat_math.py",
+        "verl/trainer/ppo/sat_inert.py",
         "verl/trainer/ppo/core_algos.py",
         "verl/workers/config/actor.py",
         "verl/trainer/config/actor/actor.yaml",

@@ -16,7 +16,7 @@
 The SAT losses call ``InertSatMonitor.observe`` with values they already read back (no extra host read). The steps
 are counted in sequences: verl hands the loss the mini-batch's sequences over all data-parallel ranks
 (``global_batch_info["global_batch_size"]``, one optimizer step) and ``dp_size``; without them, a window is
-``FALLBACK_WINDOW_CALLS`` micro-batches.
+``FALLBACK_WINDOW_CALLS`` micro-batches. No torch or verl import: host-side bookkeeping only.
 """
 
 import logging
@@ -27,7 +27,6 @@ logger = logging.getLogger(__name__)
 WINDOW_STEPS = 3  # optimizer steps of one window
 INERT_FRACTION = 0.5  # warn when more than this fraction of a window's micro-batches was structurally empty
 FALLBACK_WINDOW_CALLS = 32  # micro-batches of a window when the loss is not told the mini-batch size
-POLICY_LOSS = "actor_rollout_ref.actor.policy_loss"
 ACTOR = "actor_rollout_ref.actor"
 
 
@@ -41,13 +40,14 @@ class InertSatMonitor:
     sequences: float = 0.0
     warned: bool = False
 
-    def observe(self, empty: float, sequences: float, config) -> None:
-        """One micro-batch: ``empty`` 1.0 or 0.0, ``sequences`` its sequences, ``config`` the actor config (its
-        ``global_batch_info`` and SAT keys)."""
+    def observe(self, empty: float, sequences: float, global_batch_info: dict | None, quantile: float,
+                key_format: str) -> None:  # fmt: skip
+        """One micro-batch: ``empty`` 1.0 or 0.0, ``sequences`` its sequences, ``global_batch_info`` the loss's
+        (verl's actor config), ``quantile`` SAT's alpha, ``key_format`` how to name a SAT key (``"...{}"``)."""
         if self.warned:
             return
         self.calls, self.empty, self.sequences = self.calls + 1, self.empty + empty, self.sequences + sequences
-        info = getattr(config, "global_batch_info", None) or {}
+        info = global_batch_info or {}
         global_batch = info.get("global_batch_size")
         if global_batch:
             full = self.sequences >= WINDOW_STEPS * global_batch / max(info.get("dp_size") or 1, 1)
@@ -56,21 +56,20 @@ class InertSatMonitor:
         if not full:
             return
         if self.empty > INERT_FRACTION * self.calls:
-            logger.warning(inert_message(self.empty / self.calls, self.sequences / self.calls, config))
+            logger.warning(inert_message(self.empty / self.calls, self.sequences / self.calls, quantile, key_format))
             self.warned = True
         self.calls, self.empty, self.sequences = 0, 0.0, 0.0
 
 
-def inert_message(fraction: float, sequences: float, config) -> str:
+def inert_message(fraction: float, sequences: float, quantile: float, key_format: str) -> str:
     """The warning: what was seen, why it cannot gate, and the keys that fix it."""
-    sat = config.policy_loss.sat
     return (
-        f"[verl-sat] SAT could not gate in {fraction:.0%} of the micro-batches of the last {WINDOW_STEPS} optimizer "
-        f"steps ({sequences:.1f} sequences per micro-batch): the highest-scoring sequence held more than "
-        f"1 - {POLICY_LOSS}.sat.quantile = {1 - sat.quantile:.3g} of the micro-batch's tokens, so no token lay above "
-        f"the quantile and {config.policy_loss.loss_mode} ran as its base loss (actor/sat_structurally_empty_frac). "
-        f"Set {POLICY_LOSS}.sat.granularity=token (per-token scores: gates with any micro-batch of more than "
-        f"1 / (1 - quantile) tokens), or put more sequences in a micro-batch: {ACTOR}.ppo_micro_batch_size_per_gpu, "
+        f"SAT could not gate in {fraction:.0%} of the micro-batches of the last {WINDOW_STEPS} optimizer steps "
+        f"({sequences:.1f} sequences per micro-batch): the highest-scoring unit held more than "
+        f"1 - {key_format.format('quantile')} = {1 - quantile:.3g} of the micro-batch's units, so none lay above the "
+        f"quantile and the loss ran as its base loss (actor/sat_structurally_empty_frac). Set "
+        f"{key_format.format('granularity')}=token (per-token scores: they gate in any micro-batch of 1 / (1 - "
+        f"quantile) tokens or more), or put more sequences in a micro-batch: {ACTOR}.ppo_micro_batch_size_per_gpu, "
         f"or {ACTOR}.ppo_max_token_len_per_gpu under {ACTOR}.use_dynamic_bsz=true."
     )
 

@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 from verl.workers.config import ActorConfig
 
-from verl_sat.config import sat_params_of
+from verl_sat.config import SAT_KEY_FORMAT, sat_params_of
 from verl_sat.inert_sat import INERT_MONITOR
 from verl_sat.sat_math import SatSurrogate, sat_gspo_surrogate, sat_token_surrogate
 
@@ -53,7 +53,7 @@ def compute_policy_loss_sat(
     clip_ratio_c = config.get("clip_ratio_c", 3.0)
 
     out = sat_token_surrogate(log_prob, old_log_prob, advantages, response_mask, clip_low, clip_high, clip_ratio_c, sat)
-    return _sat_aggregate(out, loss_agg_mode, config, rollout_is_weights, clip_low, clip_high)
+    return _sat_aggregate(out, loss_agg_mode, config, rollout_is_weights, clip_low, clip_high, sat.quantile)
 
 
 @register_policy_loss("sat_gspo")  # type: ignore[arg-type]
@@ -76,7 +76,7 @@ def compute_policy_loss_sat_gspo(
     out = sat_gspo_surrogate(
         log_prob, old_log_prob, advantages, response_mask, clip_low, clip_high, sat, sat.granularity
     )
-    return _sat_aggregate(out, loss_agg_mode, config, rollout_is_weights, clip_low, clip_high)
+    return _sat_aggregate(out, loss_agg_mode, config, rollout_is_weights, clip_low, clip_high, sat.quantile)
 
 
 def _sat_clip_radii(config: DictConfig | ActorConfig | None) -> tuple[float, float]:
@@ -118,8 +118,10 @@ def _sat_aggregate(
     rollout_is_weights: torch.Tensor | None,
     clip_low: float,
     clip_high: float,
+    quantile: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Aggregate with verl's ``agg_loss``; the metrics (Table 10 of the paper, and ours) from one host read."""
+    """Aggregate with verl's ``agg_loss``; the metrics (Table 10 of the paper, and ours) from one host read, which
+    also feeds the process's ``INERT_MONITOR`` (``quantile``: SAT's alpha, for its warning)."""
     loss_mat, mask, num_active = out.loss_mat, out.mask, out.num_active
     if rollout_is_weights is not None:  # a NaN weight of an inactive token stays out of the loss and its gradient
         loss_mat = loss_mat * torch.where(mask, rollout_is_weights, 0.0)
@@ -148,7 +150,7 @@ def _sat_aggregate(
     read = torch.stack(values).tolist()  # the one host read
     q, gate_sum, abs_sum, lower_shrink, upper_shrink, max_shrink, empty, sequences = read[:8]
     ppo_kl, units, active, nan, *counts = read[8:]
-    INERT_MONITOR.observe(empty, sequences, config)
+    INERT_MONITOR.observe(empty, sequences, config.global_batch_info, quantile, SAT_KEY_FORMAT)
     per_unit, per_token = 1.0 / max(units, 1.0), 1.0 / max(active, 1.0)
     intercepted, clipped, dual_clipped = (count * per_token for count in counts)
     return pg_loss, {

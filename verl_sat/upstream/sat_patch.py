@@ -14,6 +14,7 @@
 """Patch 1 of the upstream series: SAT as verl's own policy losses, generated from verl-sat's source.
 
 - ``verl/trainer/ppo/sat_math.py``: ``verl_sat/sat_math.py`` as it is (pure torch, no verl import);
+- ``verl/trainer/ppo/sat_inert.py``: ``verl_sat/inert_sat.py`` as it is (the warning when SAT cannot gate);
 - ``verl/trainer/ppo/core_algos.py``: every function of ``verl_sat/losses.py`` (the registered ``sat`` and
   ``sat_gspo`` and their helpers), after verl's ``gspo``;
 - ``verl/workers/config/actor.py``: ``PolicyLossConfig`` gains one flat field per ``SatParams`` field
@@ -29,6 +30,7 @@ import json
 import textwrap
 from dataclasses import MISSING, fields
 
+import verl_sat.inert_sat
 import verl_sat.losses
 import verl_sat.sat_math
 from verl_sat.sat_math import SatParams
@@ -44,6 +46,7 @@ from verl_sat.upstream.edit import (
 )
 
 SAT_MATH = "verl/trainer/ppo/sat_math.py"
+SAT_INERT = "verl/trainer/ppo/sat_inert.py"
 CORE_ALGOS = "verl/trainer/ppo/core_algos.py"
 ACTOR_CONFIG = "verl/workers/config/actor.py"
 ACTOR_YAML = "verl/trainer/config/actor/actor.yaml"
@@ -52,7 +55,8 @@ PLUGIN_KEY = "actor_rollout_ref.actor.policy_loss.sat.{}"
 UPSTREAM_KEY = "actor_rollout_ref.actor.policy_loss." + FLAT_PREFIX + "{}"
 WIDTH = 120  # verl's ruff line length
 # where verl-sat's modules land in verl, for the imports of the copied loss functions
-MODULE_MAP = {"verl_sat.sat_math": "verl.trainer.ppo.sat_math", "verl_sat.config": "verl.workers.config.actor"}
+MODULE_MAP = {"verl_sat.sat_math": "verl.trainer.ppo.sat_math", "verl_sat.inert_sat": "verl.trainer.ppo.sat_inert",
+              "verl_sat.config": "verl.workers.config.actor"}  # fmt: skip
 # the flat-key counterpart of verl_sat.config.sat_params_of, added to verl's actor config module
 UPSTREAM_SAT_PARAMS_OF = '''
 
@@ -111,6 +115,7 @@ def sat_changes(read) -> dict[str, str]:
     configs are rebuilt later, from the edited tree."""
     return {
         SAT_MATH: standalone_source(verl_sat.sat_math),
+        SAT_INERT: standalone_source(verl_sat.inert_sat),
         CORE_ALGOS: _core_algos(read(CORE_ALGOS)),
         ACTOR_CONFIG: _actor_config(read(ACTOR_CONFIG)),
         ACTOR_YAML: _actor_yaml(read(ACTOR_YAML)),
@@ -138,7 +143,8 @@ def _core_algos(text: str) -> str:
     text = insert_after(
         text,
         "from verl.trainer.config import AlgoConfig\n",
-        _import_line("verl.trainer.ppo.sat_math", mapped.pop("verl.trainer.ppo.sat_math")),
+        _import_line("verl.trainer.ppo.sat_inert", mapped.pop("verl.trainer.ppo.sat_inert"))
+        + _import_line("verl.trainer.ppo.sat_math", mapped.pop("verl.trainer.ppo.sat_math")),
         CORE_ALGOS,
     )
     text = insert_after(
