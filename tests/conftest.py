@@ -11,7 +11,7 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Shared fixtures: verl's composed actor config and random stale batches.
+"""Shared fixtures: verl's composed actor config, random stale batches, and what each remedy comparison row sets.
 
 No ``tests/__init__.py``: the verl wheel ships a top-level ``tests`` package of its own.
 """
@@ -21,12 +21,14 @@ import functools
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import pytest
 import torch
 from hydra import compose, initialize_config_module
+from verl.trainer.config import RolloutCorrectionConfig
 from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.config import ActorConfig
 
 from verl_sat.config import SatConfig
 from verl_sat.embedded.prepare import PrepareSpec, prepare
@@ -51,6 +53,40 @@ LOSS_CASES = [
 QUANTILE_METHODS = ["inverted_cdf", "linear"]
 # every loss_agg_mode verl 0.9.1's ActorConfig accepts (its valid_loss_agg_modes)
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """What a remedy comparison row (``verl_sat.recipe_catalog.REMEDY_ROWS``) changes in the row it is built on."""
+
+    base: str  # the recipe it differs from, in the remedy only
+    loss_mode: str  # verl's registered policy loss it trains with
+    actor: dict  # actor keys it sets besides the loss
+    correction: RolloutCorrectionConfig | None  # verl's rollout-correction preset it carries (None: the base's bypass)
+
+    def correction_keys(self) -> dict | None:
+        """``algorithm.rollout_correction`` as the preset sets it (every key verl's config has), or None."""
+        if self.correction is None:
+            return None
+        return {k: v for k, v in asdict(self.correction).items() if not k.startswith("_")}
+
+
+def _verl_default(key: str):
+    return ActorConfig.__dataclass_fields__[key].default
+
+
+ICEPOP = RolloutCorrectionConfig.decoupled_token_icepop()
+REMEDIES = {
+    "gspo_icepop": Remedy("gspo", "gspo", {}, ICEPOP),
+    "gspo_seq_is_rs": Remedy("gspo", "gspo", {}, RolloutCorrectionConfig.decoupled_seq_is_rs()),
+    "gspo_geo_rs": Remedy("gspo", "gspo", {}, RolloutCorrectionConfig.decoupled_geo_rs()),
+    "gspo_k3_rs": Remedy("gspo", "gspo", {}, RolloutCorrectionConfig.decoupled_k3_rs()),
+    "sapo": Remedy("gspo", "sapo", {key: _verl_default(key) for key in ("tau_pos", "tau_neg")}, None),
+    # verl's examples/cispo_trainer and examples/dppo_trainer values; clip_ratio_c as the dppo row
+    "cispo": Remedy("gspo", "cispo", {"clip_ratio_low": 10.0, "clip_ratio_high": 0.2}, None),
+    "dppo_kl": Remedy("gspo", "dppo_kl", {"clip_ratio_low": 0.05, "clip_ratio_high": 0.05, "clip_ratio_c": 20.0}, None),
+    "sat_gspo_icepop": Remedy("sat_gspo", "sat_gspo", {}, ICEPOP),
+}
 
 
 def sat_overrides(loss: str, granularity: str, *extra: str) -> list[str]:

@@ -13,17 +13,19 @@
 # limitations under the License.
 """``verl-sat train`` at test size: reproducible by seed, both lag regimes exact, sampling-time log-probs and routes,
 KL and TIS through verl's own code, the staleness split, verl's behaviours (non-finite gradients, loggers, resume and
-extension), every Table 1 row, and the documented errors."""
+extension), every Table 1 row, every remedy comparison row through verl's losses and rollout correction, and the
+documented errors."""
 
 import json
 import shutil
 
 import pytest
 import torch
-from conftest import actor_config
+from conftest import ICEPOP, REMEDIES, actor_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+from verl.workers.utils import losses as verl_losses
 
 from verl_sat import cli
 from verl_sat.embedded import attribution, ppo_update, run_files
@@ -32,7 +34,7 @@ from verl_sat.embedded.decode import generate
 from verl_sat.embedded.rollout import PromptSet
 from verl_sat.embedded.run_config import EmbeddedConfigError, compose_train_config
 from verl_sat.embedded.train import TIMING_PREFIXES, train
-from verl_sat.recipe_catalog import PAPER_TABLE_1
+from verl_sat.recipe_catalog import PAPER_TABLE_1, REMEDY_ROWS
 from verl_sat.routing_replay import RoutingReplay
 
 # 2 prompts per optimizer step at every lag, 4 responses each
@@ -341,6 +343,60 @@ def test_every_table1_row_trains(tiny_workdir, recipe):
     for key in ("staleness/policy_abs_mean", "staleness/engine_p90", "staleness/gated_policy_dominant_frac"):
         assert key in last
     assert (settings.run_dir / "curves.png").stat().st_size > 0
+
+
+# ---- the remedy comparison rows ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", REMEDY_ROWS)
+def test_every_remedy_row_trains_through_verl(tiny_workdir, monkeypatch, recipe):
+    """A remedy row trains with the registered loss verl's ppo_loss looks up for it. A rollout-correction row runs in
+    decoupled mode: verl's helper gets the preset's keys, its IS weights and rejection mask are what the loss gets,
+    and its metrics (the preset's own: IcePop's out-of-bounds ratio, each rejection option's masked fraction) are
+    logged. A loss row stays in its base row's bypass mode: no correction."""
+    remedy, looked_up, calls, losses = REMEDIES[recipe], [], [], []
+    real_lookup, real_helper = verl_losses.get_policy_loss_fn, ppo_update.compute_rollout_correction_and_rejection_mask
+    real_loss = ppo_update.micro_batch_loss
+
+    def lookup(name):
+        looked_up.append(name)
+        return real_lookup(name)
+
+    def helper(**kwargs):
+        out = real_helper(**kwargs)
+        calls.append((kwargs, out))
+        return out
+
+    def loss(actor, log_prob, entropy, fields, info, prompt_len):
+        losses.append(fields)
+        return real_loss(actor, log_prob, entropy, fields, info, prompt_len)
+
+    monkeypatch.setattr(verl_losses, "get_policy_loss_fn", lookup)
+    monkeypatch.setattr(ppo_update, "compute_rollout_correction_and_rejection_mask", helper)
+    monkeypatch.setattr(ppo_update, "micro_batch_loss", loss)
+    settings, summary, records = run(tiny_workdir, f"+recipe={recipe}", *PAPER_LAG[1], steps=1)
+    last = records[-1]
+    assert summary["steps_done"] == 1 and last["actor/mismatch_abs_log_ratio"] > 0
+    assert set(looked_up) == {remedy.loss_mode} and ("actor/sat_gate_rate" in last) == recipe.startswith("sat_")
+    if remedy.correction is None:
+        assert settings.bypass_mode and calls == [] and not any(k.startswith("rollout_corr/") for k in last)
+        return
+    (kwargs, (weights, mask, metrics)), (fields,) = calls[0], losses
+    preset = remedy.correction_keys()
+    assert not settings.bypass_mode and len(calls) == 1
+    assert {k: kwargs[k] for k in settings.rollout_correction} == {k: preset[k] for k in settings.rollout_correction}
+    assert torch.equal(fields["old_log_probs"], kwargs["old_log_prob"])  # pi_old, recomputed by the trainer
+    assert torch.equal(fields["response_mask"], mask.long())  # the rejection mask
+    if preset["rollout_is"] is None:
+        assert weights is None and "rollout_is_weights" not in fields
+    else:
+        assert torch.equal(fields["rollout_is_weights"], weights.batch["rollout_is_weights"])
+    assert {k: last[k] for k in metrics} == metrics
+    own = [f"rollout_corr/rollout_rs_{preset['rollout_rs']}_masked_fraction"] if preset["rollout_rs"] else []
+    own += ["rollout_corr/rollout_is_oob_ratio"] if remedy.correction is ICEPOP else []
+    assert own and all(key in metrics for key in own)
+    if recipe == "gspo_geo_rs":  # +-0.1 % rejects even at gap 0, on the bf16 decode's mismatch alone
+        assert 0 < last[own[0]] and int(mask.sum()) < int(kwargs["response_mask"].sum())
 
 
 # ---- errors --------------------------------------------------------------------------------------------------------

@@ -12,9 +12,11 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """The recipe group and ``python -m verl_sat.main``: every Table 1 row x every lag preset composed over verl 0.9.1's
-packaged configs, built into verl's dataclasses and checked key by key; the lag presets against verl's separate-async
-rules; the entry point's composition; the examples."""
+packaged configs, built into verl's dataclasses and checked key by key; every remedy comparison row on each of verl's
+three asynchronous trainers against the row it is built on; the lag presets against verl's separate-async rules; the
+entry point's composition; the examples."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import verl
+from conftest import REMEDIES
 from omegaconf import OmegaConf
 from verl.trainer.config import AlgoConfig
 from verl.utils.config import omega_conf_to_dataclass
@@ -31,8 +34,14 @@ from verl.workers.config import McoreActorConfig, RolloutConfig
 
 from verl_sat.config import FSDPRouterReplayConfig, SatConfig, SatPolicyLossConfig
 from verl_sat.main import RECIPES_SEARCHPATH, compose_from_args, compose_job, split_args, with_recipes_searchpath
-from verl_sat.preflight import PreflightError, check_config, selected_trainer, unread_key_warnings
-from verl_sat.recipe_catalog import PAPER_TABLE_1, describe
+from verl_sat.preflight import (
+    PreflightError,
+    check_config,
+    check_trainer_startup,
+    selected_trainer,
+    unread_key_warnings,
+)
+from verl_sat.recipe_catalog import PAPER_TABLE_1, REMEDY_ROWS, describe
 
 ROWS = list(PAPER_TABLE_1)  # the 13 rows of Table 1
 RECIPES = [*ROWS, "tis"]
@@ -441,10 +450,15 @@ def _flat_keys(node: dict, prefix: str = "") -> set[str]:
     return keys
 
 
-def _job_keys(cfg) -> set[str]:
+def _job(cfg) -> dict:
+    """The job config as ``--cfg job`` shows it (no ``hydra`` node), interpolations unresolved."""
     container = OmegaConf.to_container(cfg, resolve=False)
     container.pop("hydra", None)
-    return _flat_keys(container)
+    return container
+
+
+def _job_keys(cfg) -> set[str]:
+    return _flat_keys(_job(cfg))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -469,21 +483,23 @@ def test_recipes_only_set_keys_verl_defines(recipe):
 def test_recipes_command_lists_every_row_with_the_papers_numbers():
     proc = subprocess.run([sys.executable, "-m", "verl_sat.cli", "recipes"], capture_output=True, text=True)
     assert proc.returncode == 0
-    sections, current = {}, None
+    sections = []  # (header, {name: line})
     for line in proc.stdout.splitlines():
         if line.startswith("  "):
-            sections[current][line.split()[0]] = line
+            sections[-1][1][line.split()[0]] = line
         else:
-            current = line.split()[0]
-            sections[current] = {}
-    assert list(sections) == ["+recipe=NAME", "+lag=NAME", "+radii=NAME", "r3=NAME", "+cpu=NAME"]
-    assert set(sections["+recipe=NAME"]) == set(RECIPES) and set(sections["+lag=NAME"]) == set(LAGS)
-    assert set(sections["r3=NAME"]) == {"fsdp", "megatron"} and set(sections["+radii=NAME"]) == {"gspo"}
-    assert set(sections["+cpu=NAME"]) == {"e2e"}
-    lines = sections["+recipe=NAME"]
+            sections.append((line, {}))
+    headers = [header.split()[0] for header, _ in sections]
+    assert headers == ["+recipe=NAME", "+recipe=NAME", "+lag=NAME", "+radii=NAME", "r3=NAME", "+cpu=NAME"]
+    (paper_header, lines), (remedy_header, remedies), lags, radii, r3, cpu = sections
+    assert "paper Table 1" in paper_header and "remedy comparison, not in the paper's Table 1" in remedy_header
+    assert set(lines) == set(RECIPES) and set(remedies) == set(REMEDY_ROWS) == set(REMEDIES)
+    assert set(lags[1]) == set(LAGS) and set(r3[1]) == {"fsdp", "megatron"} and set(radii[1]) == {"gspo"}
+    assert set(cpu[1]) == {"e2e"}
     for name, row in PAPER_TABLE_1.items():
         assert f"{row.lag1:.2f} / {row.lag8:.2f}" in lines[name]
     assert "(collapses)" in lines["grpo"] and "(collapses)" not in lines["sat_gspo"]
+    assert set(describe("recipe")) == {*RECIPES, *REMEDY_ROWS}  # every recipe file is listed in one section
     assert len(ROWS) == 13 and all(describe("recipe").values())
 
 
@@ -497,8 +513,9 @@ def test_wheel_ships_the_recipes(tmp_path):
     (wheel,) = tmp_path.glob("verl_sat-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {
-        "recipe": RECIPES, "lag": LAGS, "r3": ["megatron", "fsdp"], "paper": ["table9"], "correction": ["tis"],
-        "method": list(LOSS_MODE), "radii": ["gspo"], "embedded": ["default"], "cpu": ["e2e"],
+        "recipe": [*RECIPES, *REMEDY_ROWS], "lag": LAGS, "r3": ["megatron", "fsdp"], "paper": ["table9"],
+        "correction": ["tis", "icepop", "seq_is_rs", "geo_rs", "k3_rs"], "method": [*LOSS_MODE, "sapo", "cispo",
+        "dppo_kl"], "radii": ["gspo"], "embedded": ["default"], "cpu": ["e2e"],
     }  # fmt: skip
     for group, entries in shipped.items():
         for entry in entries:
@@ -563,11 +580,12 @@ COLOCATE_LAG = {"lag1": (1, 1), "lag8": (1, 8), "fixed8": (8, 1), "sync": (0, 1)
 FULLY_ASYNC_LAG = {"lag1": (1, 1), "lag8": (8, 1), "fixed8": (1, 8), "sync": (1, 0)}
 
 
-def compose_for_trainer(trainer: str, lag: str, *overrides: str):
-    """What ``python -m verl_sat.main`` composes for ``+recipe=sat_gspo_r3 r3=fsdp +lag=LAG`` on ``trainer``: the
-    args it passes on and the config."""
+def compose_for_trainer(trainer: str, lag: str, *overrides: str, recipe: str = "sat_gspo_r3"):
+    """What ``python -m verl_sat.main`` composes for ``+recipe=RECIPE +lag=LAG`` (``r3=fsdp`` for an R3 row) on
+    ``trainer``: the args it passes on and the config."""
     extra = () if trainer == "fully_async" else ("data.train_batch_size=64",)
-    args = with_recipes_searchpath([*TRAINER_ARGS[trainer], "+recipe=sat_gspo_r3", "r3=fsdp", f"+lag={lag}", *extra,
+    r3 = ("r3=fsdp",) if recipe.endswith("_r3") else ()
+    args = with_recipes_searchpath([*TRAINER_ARGS[trainer], f"+recipe={recipe}", *r3, f"+lag={lag}", *extra,
                                     *overrides])  # fmt: skip
     return compose_job(args)
 
@@ -661,3 +679,36 @@ def test_a_lag_the_trainer_cannot_take_is_refused(trainer, lag, overrides, messa
     with pytest.raises(PreflightError) as err:
         check_config(cfg)
     assert message in str(err.value)
+
+
+# ---- the remedy comparison rows on the three trainers --------------------------------------------------------------
+
+
+@functools.cache
+def _composed_on(trainer: str, recipe: str):
+    """``+recipe=RECIPE +lag=lag8`` on ``trainer`` as ``python -m verl_sat.main`` composes it (shared: read only)."""
+    return compose_for_trainer(trainer, "lag8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+                               recipe=recipe)[1]  # fmt: skip
+
+
+@pytest.mark.parametrize("trainer", list(TRAINER_ARGS))
+@pytest.mark.parametrize("recipe", REMEDY_ROWS)
+def test_remedy_row_is_its_base_row_plus_the_remedy_on_every_trainer(recipe, trainer):
+    """On each asynchronous trainer, a remedy row composes to the row it is built on (Table 9's settings, the
+    trainer's lag keys) with only the remedy changed: verl's registered loss and the keys verl documents for it, or
+    every key of verl's rollout-correction preset, decoupled mode included. verl's dataclasses build, and the
+    preflight passes with the base row's warnings only."""
+    remedy = REMEDIES[recipe]
+    cfg, base = _composed_on(trainer, recipe), _composed_on(trainer, remedy.base)
+    expected = _job(base)
+    expected["actor_rollout_ref"]["actor"]["policy_loss"]["loss_mode"] = remedy.loss_mode
+    expected["actor_rollout_ref"]["actor"].update(remedy.actor)
+    if remedy.correction is not None:
+        expected["algorithm"]["rollout_correction"] = remedy.correction_keys()
+    assert _job(cfg) == expected
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert actor.policy_loss.loss_mode == remedy.loss_mode and isinstance(actor.policy_loss, SatPolicyLossConfig)
+    assert {key: getattr(actor, key) for key in remedy.actor} == remedy.actor
+    assert isinstance(omega_conf_to_dataclass(cfg.algorithm), AlgoConfig)
+    assert check_config(cfg) == check_config(base)
+    assert check_trainer_startup(cfg) == check_trainer_startup(base)

@@ -11,8 +11,8 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""The recipe group shipped as ``verl_sat.recipes``: which recipes, lags and pieces exist, what each one is, and the
-paper's Table 1 numbers beside the recipes that are its rows."""
+"""The recipe group shipped as ``verl_sat.recipes``: which recipes, lags and pieces exist, what each one is, the
+paper's Table 1 numbers beside the recipes that are its rows, and the remedy comparison rows apart from them."""
 
 from dataclasses import dataclass
 from importlib.resources import files
@@ -57,6 +57,11 @@ PAPER_TABLE_1 = {
     "sat_gspo_r3": PaperRow("SAT-GSPO w/ R3", 35.83, 34.79, False, 0.0056, 0.0076),
 }
 
+# Rows beyond the paper's Table 1 for comparing off-policy remedies under staleness: each is gspo or sat_gspo with one
+# remedy, a verl rollout-correction preset or a verl policy loss at verl's defaults (docs/recipes.md)
+REMEDY_ROWS = ("gspo_icepop", "gspo_seq_is_rs", "gspo_geo_rs", "gspo_k3_rs", "sapo", "cispo", "dppo_kl",
+               "sat_gspo_icepop")  # fmt: skip
+
 
 def describe(group: str) -> dict[str, str]:
     """``{name: first comment line}`` for every YAML of a config group, sorted by name."""
@@ -70,11 +75,16 @@ def describe(group: str) -> dict[str, str]:
 
 
 def format_catalog() -> str:
-    """What ``verl-sat recipes`` prints: each recipe with the paper's lag 1 / lag 8 score, then the lags and pieces."""
+    """What ``verl-sat recipes`` prints: each recipe of the paper's Table 1 with its lag 1 / lag 8 score, the remedy
+    comparison rows, then the lags and pieces."""
+    recipes = describe("recipe")
     out = ["+recipe=NAME  (paper Table 1, AIME24 avg@8 at lag 1 / lag 8)"]
-    for name, summary in describe("recipe").items():
-        row = PAPER_TABLE_1.get(name)
-        out.append(f"  {name:<12} {row.scores() if row else '':<25} {summary}")
+    for name, summary in recipes.items():
+        if name not in REMEDY_ROWS:
+            row = PAPER_TABLE_1.get(name)
+            out.append(f"  {name:<12} {row.scores() if row else '':<25} {summary}")
+    out.append("+recipe=NAME  (remedy comparison, not in the paper's Table 1: gspo or sat_gspo with one remedy)")
+    out += [f"  {name:<15} {summary}" for name, summary in recipes.items() if name in REMEDY_ROWS]
     for group in RECIPE_GROUPS[1:]:
         out.append(GROUP_USAGE[group])
         out += [f"  {name:<12} {summary}" for name, summary in describe(group).items()]

@@ -42,7 +42,7 @@ _ACTOR, _ROLLOUT, _CORRECTION = (
     "algorithm.rollout_correction.",
 )
 # Every key the embedded engine reads (see docs/local_engine.md). actor.policy_loss.* are read by verl's registered
-# losses; its sat.* keys only by the SAT losses.
+# losses; its sat.* keys only by the SAT losses, actor.tau_pos / tau_neg only by verl's sapo.
 READ_KEYS = frozenset(
     [
         "data.train_batch_size", "data.max_response_length", "data.seed", "data.train_files", "data.val_files",
@@ -56,7 +56,7 @@ READ_KEYS = frozenset(
                                "optim.optimizer", "optim.optimizer_impl", "optim.override_optimizer_config",
                                "optim.lr_warmup_steps_ratio", "optim.lr_warmup_steps", "optim.lr_scheduler_type",
                                "fsdp_config.router_replay._target_", "fsdp_config.router_replay.mode",
-                               "policy_loss._target_", "policy_loss.loss_mode")),
+                               "policy_loss._target_", "policy_loss.loss_mode", "tau_pos", "tau_neg")),
         *(_ACTOR + "policy_loss." + k for k in PolicyLossConfig.__dataclass_fields__ if not k.startswith("_")),
         *(_ACTOR + "policy_loss.sat." + k for k in SatConfig.__dataclass_fields__ if not k.startswith("_")),
         "algorithm.adv_estimator", "algorithm.norm_adv_by_std_in_grpo",
