@@ -11,7 +11,8 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Side by side: the SAT losses against verl's own, ``sat`` vs ``vanilla`` and ``sat_gspo`` vs ``gspo``.
+"""Side by side: the SAT losses against verl's own, ``sat`` vs ``vanilla`` and ``sat_gspo`` (the paper's sequence
+scores, and per-token scores, ``granularity=token``) vs ``gspo``.
 
 For each shape, forward + backward of the registered losses on one micro-batch, timed in the same run, interleaved
 call by call on the same stale inputs (Python's GC off while timing); prints the medians and the ratio of medians.
@@ -34,7 +35,9 @@ from verl_sat.config import SatConfig, SatPolicyLossConfig
 from verl_sat.op_audit import CudaOpAudit
 
 SHAPES = [(8, 4096), (32, 8192), (64, 16384)]
-PAIRS = [("sat", "vanilla", "token-mean"), ("sat_gspo", "gspo", "seq-mean-token-mean")]
+# (SAT loss, its granularity, verl's counterpart, loss_agg_mode)
+PAIRS = [("sat", "sequence", "vanilla", "token-mean"), ("sat_gspo", "sequence", "gspo", "seq-mean-token-mean"),
+         ("sat_gspo", "token", "gspo", "seq-mean-token-mean")]  # fmt: skip
 SYNC_TARGET = 0  # no more host reads than verl's own loss, and no syncing operator
 RATIO_TARGET = {"cpu": 1.5, "cuda": 1.2}
 
@@ -85,8 +88,9 @@ def time_pairs(device: str, dtypes: list[str], repeats: int, shapes=SHAPES, rows
     for dtype_name in dtypes:
         for batch, length in shapes:
             inputs = _inputs(batch, length, getattr(torch, dtype_name), device)
-            for sat_name, verl_name, agg in PAIRS:
-                configs = {sat_name: _config(sat_name), verl_name: _config(verl_name)}
+            for sat_name, granularity, verl_name, agg in PAIRS:
+                configs = {sat_name: _config(sat_name, SatConfig(granularity=granularity)),
+                           verl_name: _config(verl_name)}  # fmt: skip
                 times = {sat_name: [], verl_name: []}
                 gc.collect()
                 gc.disable()
@@ -103,9 +107,11 @@ def time_pairs(device: str, dtypes: list[str], repeats: int, shapes=SHAPES, rows
                 ratio = sat_ms / verl_ms
                 worst = max(worst, ratio)
                 if rows is not None:
-                    rows.append({"loss": sat_name, "verl": verl_name, "dtype": dtype_name, "batch": batch,
-                                 "length": length, "verl_ms": verl_ms, "sat_ms": sat_ms, "ratio": ratio})  # fmt: skip
-                print(f"| {sat_name} vs {verl_name} | {dtype_name} | {batch} x {length} | {verl_ms:.2f} | {sat_ms:.2f} "
+                    rows.append({"loss": sat_name, "granularity": granularity, "verl": verl_name, "dtype": dtype_name,
+                                 "batch": batch, "length": length, "verl_ms": verl_ms, "sat_ms": sat_ms,
+                                 "ratio": ratio})  # fmt: skip
+                label = sat_name if sat_name == "sat" else f"{sat_name} ({granularity})"
+                print(f"| {label} vs {verl_name} | {dtype_name} | {batch} x {length} | {verl_ms:.2f} | {sat_ms:.2f} "
                       f"| {ratio:.2f}x |", flush=True)  # fmt: skip
     return worst
 

@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # The paper's setup (arXiv 2607.18722, Sec. 5.1, App. F, Table 9): Qwen3-30B-A3B-Base, SGLang rollout and Megatron
 # training on separate GPU pools, 256 prompts x 16 samples per optimizer step, response cap 32k, 544 optimizer steps,
-# AIME24 with 16 samples per problem every 5 iterations. RECIPE is any row of Table 1 (`verl-sat recipes`); the recipe
+# AIME24 with 16 samples per problem every 5 iterations. RECIPE is any recipe of `verl-sat recipes`; the recipe
 # brings the paper's shared settings (clip 0.2, low-variance KL 1e-3, Adam (0.9, 0.98) at 1e-6, temperature 1.0).
 # Nothing is downloaded: point the paths below at local copies.
 #
 #   LAG=8 bash examples/run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh                 # SAT-GSPO w/ R3 at paper lag 8
 #   RECIPE=gspo_r3 LAG=1 bash examples/run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh  # its base row at lag 1
 #   ... [extra verl overrides, e.g. --cfg job]
+# SAT-GSPO runs with per-token scores (sat_gspo_token_r3): a micro-batch of this token budget holds one full-length
+# sequence, and there the paper's sequence scores (RECIPE=sat_gspo_r3, Eq. 20) cannot gate, so that row would train as
+# GSPO w/ R3 (the entry point warns; docs/sat.md, docs/results.md "Sequences per micro-batch").
 set -euo pipefail
 
 # ---- user-adjustable --------------------------------------------------------------------------------------------
 MODEL_PATH=${MODEL_PATH:-$HOME/models/Qwen3-30B-A3B-Base}        # Hugging Face model folder
 TRAIN_FILE=${TRAIN_FILE:-$HOME/data/dapo-math-17k/train.parquet}  # verl parquet (prompt, reward_model.ground_truth)
 VAL_FILE=${VAL_FILE:-$HOME/data/aime-2024/test.parquet}           # AIME24 in verl parquet
-RECIPE=${RECIPE:-sat_gspo_r3}                                      # any of `verl-sat recipes`
+RECIPE=${RECIPE:-sat_gspo_token_r3}                                # any of `verl-sat recipes`
 LAG=${LAG:-8}                                                      # paper lag 1 or 8, or sync
 TRAINER_NODES=${TRAINER_NODES:-2}                                  # training nodes x 8 GPUs
 ROLLOUT_NODES=${ROLLOUT_NODES:-2}                                  # dedicated SGLang nodes x 8 GPUs
@@ -23,9 +26,9 @@ PROMPTS_PER_OPTIMIZER_STEP=${PROMPTS_PER_OPTIMIZER_STEP:-256}     # Table 9: 256
 OPTIMIZER_STEPS=${OPTIMIZER_STEPS:-544}                            # Table 9: 544 rollout iterations
 MAX_PROMPT_LEN=${MAX_PROMPT_LEN:-2048}
 MAX_RESPONSE_LEN=${MAX_RESPONSE_LEN:-32768}                        # App. F: response cap 32k
-# tokens per micro-batch and GPU (verl's dynamic batching): SAT-GSPO's quantile is taken per micro-batch, so a
-# micro-batch must hold many sequences (a static micro-batch of 1 would make it plain GSPO); verl asserts that the budget
-# holds the longest sequence, prompt + response, so it is at least MAX_PROMPT_LEN + MAX_RESPONSE_LEN
+# tokens per micro-batch and GPU (verl's dynamic batching); verl asserts that the budget holds the longest sequence,
+# prompt + response, so it is at least MAX_PROMPT_LEN + MAX_RESPONSE_LEN: once responses reach the cap, one sequence
+# per micro-batch, which per-token SAT scores handle and sequence scores do not
 MAX_TOKENS_PER_GPU=${MAX_TOKENS_PER_GPU:-$((MAX_PROMPT_LEN + MAX_RESPONSE_LEN))}
 TP=${TP:-4}                                                        # Megatron tensor parallel size (dense layers)
 EP=${EP:-8}                                                        # expert parallel size

@@ -41,7 +41,7 @@ from verl_sat.preflight import (
     selected_trainer,
     unread_key_warnings,
 )
-from verl_sat.recipe_catalog import PAPER_TABLE_1, REMEDY_ROWS, describe
+from verl_sat.recipe_catalog import PAPER_TABLE_1, REMEDY_ROWS, SAT_VARIANT_ROWS, describe
 
 ROWS = list(PAPER_TABLE_1)  # the 13 rows of Table 1
 RECIPES = [*ROWS, "tis"]
@@ -490,16 +490,19 @@ def test_recipes_command_lists_every_row_with_the_papers_numbers():
         else:
             sections.append((line, {}))
     headers = [header.split()[0] for header, _ in sections]
-    assert headers == ["+recipe=NAME", "+recipe=NAME", "+lag=NAME", "+radii=NAME", "r3=NAME", "+cpu=NAME"]
-    (paper_header, lines), (remedy_header, remedies), lags, radii, r3, cpu = sections
+    assert headers == ["+recipe=NAME", "+recipe=NAME", "+recipe=NAME", "+lag=NAME", "+radii=NAME", "r3=NAME",
+                       "+cpu=NAME"]  # fmt: skip
+    (paper_header, lines), (variant_header, variants), (remedy_header, remedies), lags, radii, r3, cpu = sections
     assert "paper Table 1" in paper_header and "remedy comparison, not in the paper's Table 1" in remedy_header
+    assert "SAT variants, not in the paper's Table 1" in variant_header
     assert set(lines) == set(RECIPES) and set(remedies) == set(REMEDY_ROWS) == set(REMEDIES)
+    assert set(variants) == set(SAT_VARIANT_ROWS) == {"sat_gspo_token", "sat_gspo_token_r3"}
     assert set(lags[1]) == set(LAGS) and set(r3[1]) == {"fsdp", "megatron"} and set(radii[1]) == {"gspo"}
     assert set(cpu[1]) == {"e2e"}
     for name, row in PAPER_TABLE_1.items():
         assert f"{row.lag1:.2f} / {row.lag8:.2f}" in lines[name]
     assert "(collapses)" in lines["grpo"] and "(collapses)" not in lines["sat_gspo"]
-    assert set(describe("recipe")) == {*RECIPES, *REMEDY_ROWS}  # every recipe file is listed in one section
+    assert set(describe("recipe")) == {*RECIPES, *SAT_VARIANT_ROWS, *REMEDY_ROWS}  # each file in one section
     assert len(ROWS) == 13 and all(describe("recipe").values())
 
 
@@ -513,9 +516,10 @@ def test_wheel_ships_the_recipes(tmp_path):
     (wheel,) = tmp_path.glob("verl_sat-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {
-        "recipe": [*RECIPES, *REMEDY_ROWS], "lag": LAGS, "r3": ["megatron", "fsdp"], "paper": ["table9"],
+        "recipe": [*RECIPES, *SAT_VARIANT_ROWS, *REMEDY_ROWS], "lag": LAGS, "r3": ["megatron", "fsdp"],
+        "paper": ["table9"],
         "correction": ["tis", "icepop", "seq_is_rs", "geo_rs", "k3_rs"], "method": [*LOSS_MODE, "sapo", "cispo",
-        "dppo_kl"], "radii": ["gspo"], "embedded": ["default"], "cpu": ["e2e"],
+        "dppo_kl", "sat_gspo_token"], "radii": ["gspo"], "embedded": ["default"], "cpu": ["e2e"],
     }  # fmt: skip
     for group, entries in shipped.items():
         for entry in entries:
@@ -689,6 +693,26 @@ def _composed_on(trainer: str, recipe: str):
     """``+recipe=RECIPE +lag=lag8`` on ``trainer`` as ``python -m verl_sat.main`` composes it (shared: read only)."""
     return compose_for_trainer(trainer, "lag8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
                                recipe=recipe)[1]  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe,trainer", [*(("sat_gspo_token_r3", trainer) for trainer in TRAINER_ARGS),
+                                            ("sat_gspo_token", "separate_async")])  # fmt: skip
+def test_token_row_is_the_sat_gspo_row_with_per_token_scores_on_every_trainer(recipe, trainer):
+    """On each asynchronous trainer, a SAT variant row composes to the paper's SAT-GSPO row with only the score unit
+    changed, builds verl's dataclasses, and keeps the preflight quiet at one sequence per micro-batch, where the
+    paper's row is warned about."""
+    paper_row = recipe.replace("_token", "")
+    cfg, base = _composed_on(trainer, recipe), _composed_on(trainer, paper_row)
+    expected = _job(base)
+    expected["actor_rollout_ref"]["actor"]["policy_loss"]["sat"]["granularity"] = "token"
+    assert _job(cfg) == expected
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert actor.policy_loss.loss_mode == "sat_gspo" and actor.policy_loss.sat.granularity == "token"
+    one = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"
+    token_warnings = check_config(compose_for_trainer(trainer, "lag8", one, recipe=recipe)[1])
+    *others, warning = check_config(compose_for_trainer(trainer, "lag8", one, recipe=paper_row)[1])
+    assert others == token_warnings  # the trainer's own warnings (the lag's), nothing about the micro-batch
+    assert "SAT-GSPO is exactly GSPO" in warning and "policy_loss.sat.granularity=token" in warning
 
 
 @pytest.mark.parametrize("trainer", list(TRAINER_ARGS))

@@ -12,7 +12,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """The recipe group shipped as ``verl_sat.recipes``: which recipes, lags and pieces exist, what each one is, the
-paper's Table 1 numbers beside the recipes that are its rows, and the remedy comparison rows apart from them."""
+paper's Table 1 numbers beside the recipes that are its rows, and the SAT variants and remedy comparison rows apart
+from them."""
 
 from dataclasses import dataclass
 from importlib.resources import files
@@ -62,6 +63,10 @@ PAPER_TABLE_1 = {
 REMEDY_ROWS = ("gspo_icepop", "gspo_seq_is_rs", "gspo_geo_rs", "gspo_k3_rs", "sapo", "cispo", "dppo_kl",
                "sat_gspo_icepop")  # fmt: skip
 
+# SAT-GSPO with per-token scores (granularity=token), for micro-batches of few sequences, where the paper's sequence
+# scores cannot gate (docs/sat.md)
+SAT_VARIANT_ROWS = ("sat_gspo_token", "sat_gspo_token_r3")
+
 
 def describe(group: str) -> dict[str, str]:
     """``{name: first comment line}`` for every YAML of a config group, sorted by name."""
@@ -75,14 +80,16 @@ def describe(group: str) -> dict[str, str]:
 
 
 def format_catalog() -> str:
-    """What ``verl-sat recipes`` prints: each recipe of the paper's Table 1 with its lag 1 / lag 8 score, the remedy
-    comparison rows, then the lags and pieces."""
+    """What ``verl-sat recipes`` prints: each recipe of the paper's Table 1 with its lag 1 / lag 8 score, the SAT
+    variants, the remedy comparison rows, then the lags and pieces."""
     recipes = describe("recipe")
     out = ["+recipe=NAME  (paper Table 1, AIME24 avg@8 at lag 1 / lag 8)"]
     for name, summary in recipes.items():
-        if name not in REMEDY_ROWS:
+        if name not in REMEDY_ROWS and name not in SAT_VARIANT_ROWS:
             row = PAPER_TABLE_1.get(name)
             out.append(f"  {name:<12} {row.scores() if row else '':<25} {summary}")
+    out.append("+recipe=NAME  (SAT variants, not in the paper's Table 1: for micro-batches of few sequences)")
+    out += [f"  {name:<17} {summary}" for name, summary in recipes.items() if name in SAT_VARIANT_ROWS]
     out.append("+recipe=NAME  (remedy comparison, not in the paper's Table 1: gspo or sat_gspo with one remedy)")
     out += [f"  {name:<15} {summary}" for name, summary in recipes.items() if name in REMEDY_ROWS]
     for group in RECIPE_GROUPS[1:]:
