@@ -39,8 +39,10 @@ SUBSTITUTIONS = (
         "",
     ),
 )
-# paragraphs about the plugin's own entry points, its mismatch wrapper and its device checks
-DROPPED_PARAGRAPH_MARKERS = ("verl_sat.main", "verl_sat.mismatch", "verl_sat.op_audit")
+# paragraphs about the plugin's own entry points, its mismatch wrapper, its device checks, its measurements and its
+# recipes
+DROPPED_PARAGRAPH_MARKERS = ("verl_sat.main", "verl_sat.mismatch", "verl_sat.op_audit", "](results.md",
+                             "verl-sat's rows")  # fmt: skip
 LEFTOVER = re.compile(r"verl-sat|verl_sat|\]\((?!https?://)[^)]*\)")  # plugin names, links to the plugin's pages
 HOW_TO_ENABLE = """## How to enable
 
@@ -57,8 +59,12 @@ python3 -m verl.trainer.main_ppo \\
   actor_rollout_ref.actor.clip_ratio_low=0.2 actor_rollout_ref.actor.clip_ratio_high=0.2 \\
   actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=34816 \\
   {quantile_key}=0.9 \\
+  {granularity_key}=token \\
   ...
 ```
+
+`{granularity_key}=token`: at this token budget a micro-batch holds one full-length sequence once responses
+reach the cap, where the paper's sequence scores cannot gate (see "The scope of the quantile" above).
 
 For SAT-GRPO use `loss_mode=sat` (`examples/sat_trainer/` aggregate every method with `seq-mean-token-mean`, one
 rule for all as in the paper). `examples/sat_trainer/` has the paper's setup
@@ -78,7 +84,8 @@ def docs_page(repo: Path) -> str:
     kept = []
     for section in sections:
         if section.startswith("## How to enable"):
-            section = HOW_TO_ENABLE.format(quantile_key=UPSTREAM_KEY.format("quantile")) + "\n"
+            section = HOW_TO_ENABLE.format(quantile_key=UPSTREAM_KEY.format("quantile"),
+                                           granularity_key=UPSTREAM_KEY.format("granularity")) + "\n"  # fmt: skip
         elif section.startswith("## Keys"):
             section = _keys_section() + "\n"
         paragraphs = [p for p in section.split("\n\n") if not any(m in p for m in DROPPED_PARAGRAPH_MARKERS)]
