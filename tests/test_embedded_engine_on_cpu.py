@@ -349,8 +349,9 @@ def test_token_row_gates_where_the_papers_sequence_scores_cannot(tiny_workdir):
     """Two sequences per micro-batch (``ppo_micro_batch_size_per_gpu=2``): the paper's SAT-GSPO row is structurally
     empty in every micro-batch and trains exactly as GSPO, while the per-token row gates."""
     micro = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"
-    runs = {recipe: run(tiny_workdir, f"+recipe={recipe}", *PAPER_LAG[1], micro, steps=2,
-                        **{"test": 2})[1:] for recipe in ("gspo", "sat_gspo", "sat_gspo_token")}  # fmt: skip
+    runs = {recipe: run(tiny_workdir, f"+recipe={recipe}", *PAPER_LAG[1], micro,
+                        f"trainer.experiment_name=micro2-{recipe}", steps=2)[1:]
+            for recipe in ("gspo", "sat_gspo", "sat_gspo_token")}  # fmt: skip
     (_, paper), (_, token) = runs["sat_gspo"], runs["sat_gspo_token"]
     for records in (paper, token):
         assert all(r["actor/sat_seqs_per_micro_batch"] == 2.0 for r in records if "actor/sat_gate_rate" in r)
