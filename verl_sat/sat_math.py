@@ -263,7 +263,7 @@ def tail_quantile(
     return _masked_tail_quantile(torch.where(mask, values, 0.0), num, alpha, method, weight)
 
 
-def _masked_tail_quantile(values, num, alpha, method, weight) -> torch.Tensor:
+def _masked_tail_quantile(values, num, alpha, method, weight, ranks=None) -> torch.Tensor:
     """``tail_quantile`` of ``values`` that are 0 at inactive entries, with ``weight`` 0 there too (or ``None``: unit
     weights); ``num`` counts the active units.
 
@@ -274,13 +274,14 @@ def _masked_tail_quantile(values, num, alpha, method, weight) -> torch.Tensor:
     which grows with ``n``, plus one for the rank and one for ``linear``'s upper neighbour. Weights: a sort, the int64
     cumulative weight in that order, and a ``searchsorted`` of the rank, which lands on an entry of positive weight.
     Ties cannot change the value found, no operator reads back to the host, and each is deterministic on CUDA
-    (``topk``, ``sort``, integer ``cumsum``, ``searchsorted``, ``gather``).
+    (``topk``, ``sort``, integer ``cumsum``, ``searchsorted``, ``gather``). ``ranks``: ``quantile_ranks(num, alpha,
+    method)`` when the caller has them.
     """
     flat = values.reshape(-1)
     numel = flat.numel()
     if numel == 0:
         return values.new_zeros(())
-    ranks, interpolation = quantile_ranks(num, alpha, method)
+    ranks, interpolation = quantile_ranks(num, alpha, method) if ranks is None else ranks
     patterns = flat.view(_PATTERNS[flat.dtype])
     if weight is None and numel < _SORT_MIN_UNITS:
         top = min(numel, numel - math.ceil(_alpha_fraction(alpha) * numel) + 2)
@@ -326,7 +327,7 @@ def structurally_empty(
     unit_mask: torch.Tensor,
     weight: torch.Tensor | None,
     num_units: torch.Tensor,
-    gate: SatParams,
+    lowest_rank: torch.Tensor,
 ) -> torch.Tensor:
     """Whether the gate is empty because of the micro-batch's shape rather than its staleness: the highest-scoring
     unit (the heaviest of those tied at the top) stands for at least ``n - k + 1`` of the ``n`` units, ``k`` the
@@ -337,21 +338,20 @@ def structurally_empty(
 
     Args:
         abs_proxy: ``|d|`` per unit, 0 at inactive units; unit_mask: bool, same shape; weight: int64 tokens per unit
-            (0 at inactive units) or ``None`` (1 per active unit); num_units: 0-dim int64, ``n``.
+            (0 at inactive units) or ``None`` (1 per active unit); num_units: 0-dim int64, ``n``; lowest_rank: 1-dim
+            int64, the quantile's lowest rank ``k`` (``quantile_ranks(...)[0][:1]``).
 
     Returns:
         0-dim, 1.0 or 0.0 in ``abs_proxy``'s dtype; 0.0 when nothing is active.
     """
-    ranks, _ = quantile_ranks(num_units, gate.quantile, gate.quantile_method)
-    if weight is None:
-        top_weight = unit_mask.any().long()
-    elif abs_proxy.numel() == 0:
-        top_weight = num_units.new_zeros(())
+    active = num_units > 0
+    if weight is None:  # the top unit weighs 1: it covers rank k if k = n
+        covers = torch.ge(lowest_rank, num_units)
     else:
         at_top = torch.eq(abs_proxy, abs_proxy.amax()).logical_and_(unit_mask)
         top_weight = torch.where(at_top, weight, 0).amax()
-    covers = torch.ge(top_weight + ranks[0], num_units + 1).logical_and_(num_units > 0)
-    return covers.to(abs_proxy.dtype)
+        covers = torch.ge(top_weight + lowest_rank, num_units + 1)
+    return covers.squeeze(0).logical_and_(active).to(abs_proxy.dtype)
 
 
 def trust_region(
@@ -380,8 +380,9 @@ def trust_region(
     a = d.abs()  # 0 at inactive units, as d
     if num_units is None:
         num_units = torch.count_nonzero(unit_mask) if weight is None else weight.sum()
-    q = _masked_tail_quantile(a, num_units, gate.quantile, gate.quantile_method, weight)
-    empty = structurally_empty(a, unit_mask, weight, num_units, gate)
+    ranks = quantile_ranks(num_units, gate.quantile, gate.quantile_method)
+    q = _masked_tail_quantile(a, num_units, gate.quantile, gate.quantile_method, weight, ranks)
+    empty = structurally_empty(a, unit_mask, weight, num_units, ranks[0][:1]) if a.numel() else a.new_zeros(())
     # 1.0 where a > threshold (a - threshold has sign +1), 0.0 elsewhere: inactive units have a = 0 <= q
     threshold = q.masked_fill(q <= gate.floor, math.inf)
     gated = torch.sub(a, threshold).sign_().clamp_(min=0.0)
