@@ -5,7 +5,7 @@
 # brings the paper's shared settings (clip 0.2, low-variance KL 1e-3, Adam (0.9, 0.98) at 1e-6, temperature 1.0).
 # Nothing is downloaded: point the paths below at local copies.
 #
-#   LAG=8 bash examples/run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh                 # SAT-GSPO w/ R3 at paper lag 8
+#   LAG=8 bash examples/run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh                 # SAT-GSPO (per token) w/ R3, lag 8
 #   RECIPE=gspo_r3 LAG=1 bash examples/run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh  # its base row at lag 1
 #   ... [extra verl overrides, e.g. --cfg job]
 # SAT-GSPO runs with per-token scores (sat_gspo_token_r3): a micro-batch of this token budget holds one full-length

@@ -397,7 +397,17 @@ def test_entry_point_prints_the_micro_batch_warning():
           "data.max_prompt_length=64", "data.max_response_length=1024"], "raise the budget to 10880 tokens per GPU"),
         (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8704",
           "data.max_prompt_length=64", "data.max_response_length=1024",
-          "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], None),
+          "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2"], None),
+        # with two Ulysses ranks verl packs twice the budget: 5440 tokens per GPU hold the 10 sequences
+        (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4352",
+          "data.max_prompt_length=64", "data.max_response_length=1024",
+          "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2"], "raise the budget to 5440 tokens"),
+        # a null length is no length: nothing to estimate
+        (["actor_rollout_ref.actor.use_dynamic_bsz=true", "data.max_prompt_length=null"], None),
+        # interpolated quantile over sequences each once: gates from two sequences on
+        (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+          "actor_rollout_ref.actor.policy_loss.sat.granularity=sequence_uniform",
+          "actor_rollout_ref.actor.policy_loss.sat.quantile_method=linear"], None),
         (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=34816",
           "data.max_prompt_length=2048", "data.max_response_length=32768",
           "actor_rollout_ref.actor.policy_loss.sat.granularity=token"], None),
@@ -699,8 +709,8 @@ def _composed_on(trainer: str, recipe: str):
                                             ("sat_gspo_token", "separate_async")])  # fmt: skip
 def test_token_row_is_the_sat_gspo_row_with_per_token_scores_on_every_trainer(recipe, trainer):
     """On each asynchronous trainer, a SAT variant row composes to the paper's SAT-GSPO row with only the score unit
-    changed (the R3 row on one: it adds only the R3 piece to the other), builds verl's dataclasses, and keeps the preflight quiet at one sequence per micro-batch, where the
-    paper's row is warned about."""
+    changed (the R3 row on one: it adds only the R3 piece to the other), builds verl's dataclasses, and keeps the
+    preflight quiet at one sequence per micro-batch, where the paper's row is warned about."""
     paper_row = recipe.replace("_token", "")
     cfg, base = _composed_on(trainer, recipe), _composed_on(trainer, paper_row)
     expected = _job(base)

@@ -56,21 +56,22 @@ class InertSatMonitor:
         if not full:
             return
         if self.empty > INERT_FRACTION * self.calls:
-            logger.warning(inert_message(self.empty / self.calls, self.sequences / self.calls, quantile, key_format))
+            logger.warning(inert_message(self.empty, self.calls, self.sequences / self.calls, quantile, key_format))
             self.warned = True
         self.calls, self.empty, self.sequences = 0, 0.0, 0.0
 
 
-def inert_message(fraction: float, sequences: float, quantile: float, key_format: str) -> str:
-    """The warning: what was seen, why it cannot gate, and the keys that fix it."""
+def inert_message(empty: float, calls: int, sequences: float, quantile: float, key_format: str) -> str:
+    """The warning: what was seen (``empty`` of the last ``calls`` micro-batches, ``sequences`` per micro-batch), why
+    it cannot gate, and the keys that fix it."""
     return (
-        f"SAT could not gate in {fraction:.0%} of the micro-batches of the last {WINDOW_STEPS} optimizer steps "
-        f"({sequences:.1f} sequences per micro-batch): the highest-scoring unit held more than "
-        f"1 - {key_format.format('quantile')} = {1 - quantile:.3g} of the micro-batch's units, so none lay above the "
-        f"quantile and the loss ran as its base loss (actor/sat_structurally_empty_frac). Set "
-        f"{key_format.format('granularity')}=token (per-token scores: they gate in any micro-batch of 1 / (1 - "
-        f"quantile) tokens or more), or put more sequences in a micro-batch: {ACTOR}.ppo_micro_batch_size_per_gpu, "
-        f"or {ACTOR}.ppo_max_token_len_per_gpu under {ACTOR}.use_dynamic_bsz=true."
+        f"SAT could not gate in {empty:.0f} of the last {calls} micro-batches ({sequences:.1f} sequences per "
+        f"micro-batch): the highest-scoring unit held more than 1 - {key_format.format('quantile')} = "
+        f"{1 - quantile:.3g} of the micro-batch's units, so none lay above the quantile and the loss ran as its base "
+        f"loss (actor/sat_structurally_empty_frac). For loss_mode=sat_gspo set {key_format.format('granularity')}="
+        f"token (per-token scores: they gate in any micro-batch of about 1 / (1 - quantile) tokens or more), or put "
+        f"more sequences in a micro-batch: {ACTOR}.ppo_micro_batch_size_per_gpu, or {ACTOR}.ppo_max_token_len_per_gpu "
+        f"under {ACTOR}.use_dynamic_bsz=true."
     )
 
 

@@ -104,10 +104,7 @@ def _sat_batch_info(global_batch_info: dict, loss_agg_mode: str, out: SatSurroga
         if loss_agg_mode == "token-mean" and info.get("batch_num_tokens") is None:
             info["batch_num_tokens"] = out.num_active.clamp(min=1)
         elif loss_agg_mode.startswith("seq-mean") and info.get("global_batch_size") is None:
-            sequences = out.num_sequences
-            if sequences is None:
-                sequences = torch.count_nonzero(out.mask.any(dim=-1))
-            info["global_batch_size"] = sequences.clamp(min=1)
+            info["global_batch_size"] = out.num_sequences.clamp(min=1)
     return info
 
 
@@ -129,7 +126,6 @@ def _sat_aggregate(
                        **_sat_batch_info(config.global_batch_info, loss_agg_mode, out))  # fmt: skip
 
     region, stats = out.region, out.region.stats
-    sequences = out.num_sequences if out.num_sequences is not None else torch.count_nonzero(mask.any(dim=-1))
     values = [
         region.quantile.double(),  # float64 first: the stack promotes every entry, so counts stay exact
         stats.gated,
@@ -138,7 +134,7 @@ def _sat_aggregate(
         stats.upper_shrink,
         stats.max_shrink,
         stats.structurally_empty,
-        sequences,
+        out.num_sequences,
         _sat_ppo_kl(out.log_ratio, num_active),
         region.num_units,
         num_active,

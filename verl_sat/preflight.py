@@ -42,7 +42,6 @@ UNREAD_KEYS = {
     FULLY_ASYNC: {"trainer.v1": "the fully-async trainer reads async_training.*, not verl's v1 trainer block"},
     "legacy": {"trainer.v1": "trainer.use_v1=false runs verl's legacy trainer"},
 }
-POLICY_LOSS_KEY = "actor_rollout_ref.actor.policy_loss"
 FSDP_STRATEGIES = ("fsdp", "fsdp2", "fsdp_turbo")
 FSDP_ROUTER_REPLAY_TARGET = "verl_sat.config.FSDPRouterReplayConfig"
 
@@ -191,34 +190,40 @@ def fully_async_lag_warnings(config: DictConfig) -> list[str]:
 
 
 def micro_batch_warnings(actor: DictConfig, policy_loss, data: DictConfig | None = None) -> list[str]:
-    """SAT-GSPO's sequence quantile is taken per micro-batch (the paper's scope). With ``m`` sequences per
-    micro-batch and quantile alpha, at most ``floor((1 - alpha) m)`` sequences can lie above it counted once each,
-    so ``m < 1 / (1 - alpha)`` gates almost nothing, and ``m = 1`` nothing at all (SAT-GSPO is then GSPO). Under
-    verl's dynamic batching a micro-batch holds ``ppo_max_token_len_per_gpu`` tokens per sequence-parallel rank
-    (verl's ``prepare_micro_batches`` multiplies by the Ulysses size): once responses reach
-    ``data.max_response_length`` that is ``floor(budget / (max_prompt_length + max_response_length))`` sequences, the
+    """SAT-GSPO's sequence quantile is taken per micro-batch (the paper's scope). With ``m`` sequences of similar
+    length per micro-batch and quantile alpha, the top sequence covers the quantile's rank once
+    ``m < 1 / (1 - alpha)``, and nothing is gated (SAT-GSPO is then GSPO); with ``sequence_uniform`` and the ``linear``
+    quantile only at ``m = 1``. Under verl's dynamic batching a micro-batch holds ``ppo_max_token_len_per_gpu`` times
+    the sequence-parallel size tokens (verl's ``prepare_micro_batches``): once responses reach
+    ``data.max_response_length`` that is ``floor(tokens / (max_prompt_length + max_response_length))`` sequences, the
     long-CoT case. Per-token scores (``granularity=token``) are not affected."""
     sat = getattr(policy_loss, "sat", None)
     if policy_loss.loss_mode != "sat_gspo" or sat is None or sat.granularity == "token":
         return []
-    needed = math.ceil(1 / (1 - Fraction(repr(sat.quantile))))
-    token = f"{POLICY_LOSS_KEY}.sat.granularity=token"
+    if sat.granularity == "sequence_uniform" and sat.quantile_method == "linear":
+        needed = 2  # the interpolated quantile lies below the top sequence from two on
+    else:
+        needed = math.ceil(1 / (1 - Fraction(repr(sat.quantile))))
+    from verl_sat.config import SAT_KEY_FORMAT
+
+    token = SAT_KEY_FORMAT.format("granularity") + "=token"
     if actor.get("use_dynamic_bsz", False):
         budget = actor.get("ppo_max_token_len_per_gpu")
-        longest = None if data is None else data.get("max_prompt_length", 0) + data.get("max_response_length", 0)
+        longest = 0 if data is None else (data.get("max_prompt_length") or 0) + (data.get("max_response_length") or 0)
         if budget is None or not longest:
             return []
-        micro = budget * (actor.get("ulysses_sequence_parallel_size") or 1) // longest
+        parallel = _sequence_parallel(actor)
+        micro = budget * parallel // longest
         if micro >= needed:
             return []
         return [
             f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}: a micro-batch of full-length sequences "
-            f"(data.max_prompt_length + data.max_response_length = {longest} tokens) holds {micro}, so once "
-            f"responses grow to the limit SAT-GSPO's per-micro-batch sequence quantile "
-            f"(policy_loss.sat.quantile={sat.quantile}) cannot gate: the top sequence holds more than 1 - quantile "
-            f"of the tokens (needs {needed} or more sequences). Set {token} (per-token scores gate within one "
-            f"sequence), or raise the budget to {needed * longest} tokens per GPU. actor/sat_structurally_empty_frac "
-            "shows it per step."
+            f"(data.max_prompt_length + data.max_response_length = {longest} tokens, {budget * parallel} tokens per "
+            f"micro-batch) holds {micro}, so once responses grow to the limit SAT-GSPO's per-micro-batch sequence "
+            f"quantile (policy_loss.sat.quantile={sat.quantile}) cannot gate: the top sequence holds more than "
+            f"1 - quantile of the tokens (needs {needed} or more sequences). Set {token} (per-token scores gate "
+            f"within one sequence), or raise the budget to {math.ceil(needed * longest / parallel)} tokens per GPU. "
+            "actor/sat_structurally_empty_frac shows it per step."
         ]
     micro = actor.get("ppo_micro_batch_size_per_gpu")
     if micro is None or micro >= needed:

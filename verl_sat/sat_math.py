@@ -163,8 +163,7 @@ class SatSurrogate:
         loss_mat: ``[B, T]`` per-token loss, exactly 0 at inactive tokens (padding and NaN tokens).
         mask: ``[B, T]`` bool, active tokens after dropping NaN tokens; aggregate with this mask.
         num_active: 0-dim int64, active tokens (``mask`` count).
-        num_sequences: 0-dim int64, sequences with an active token, when the surrogate counted them (GSPO), else
-            ``None``.
+        num_sequences: 0-dim int64, sequences with an active token.
         num_nan: 0-dim int64, originally active tokens dropped for NaN inputs.
         log_ratio: ``[B, T]`` detached ``lp - lp_old`` from which verl's counterpart computes ``ppo_kl`` (clamped at
             +-20 for the token rule, raw for GSPO); 0 at inactive tokens.
@@ -183,7 +182,7 @@ class SatSurrogate:
     intercepted: torch.Tensor
     dual_clipped: torch.Tensor | None
     region: TrustRegion
-    num_sequences: torch.Tensor | None = None
+    num_sequences: torch.Tensor
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -333,8 +332,10 @@ def structurally_empty(
     unit (the heaviest of those tied at the top) stands for at least ``n - k + 1`` of the ``n`` units, ``k`` the
     quantile's (lowest) rank, so it covers rank ``k``: ``q`` is its own score and no unit lies strictly above ``q``.
     For ``inverted_cdf`` that is a weight above ``(1 - alpha) n``, in exact int64 arithmetic. With unit weights it
-    means ``k = n`` (at alpha 0.9: fewer than 10 units); with length weights (``sequence``) it holds whenever the top
-    sequence has more than ``1 - alpha`` of the tokens, e.g. below about 10 sequences of similar length.
+    means ``k = n`` (``inverted_cdf`` at alpha 0.9: fewer than 10 units; ``linear``: one unit); with length weights
+    (``sequence``) it holds whenever the top sequence has more than ``1 - alpha`` of the tokens, e.g. below about 10
+    sequences of similar length. Not flagged (0.0) but also gating nothing: ``q <= floor`` (e.g. no staleness), and a
+    group of units tied at the top that covers ``k`` only together.
 
     Args:
         abs_proxy: ``|d|`` per unit, 0 at inactive units; unit_mask: bool, same shape; weight: int64 tokens per unit
@@ -524,6 +525,7 @@ def sat_token_surrogate(
         intercepted=_intercepted_tokens(ratio.detach(), clipped, clip_low, clip_high),
         dual_clipped=torch.gt(loss_ppo, loss_dual).logical_and_(negative).logical_and_(mask),
         region=region,
+        num_sequences=torch.count_nonzero(mask.any(dim=-1)),
     )
 
 
