@@ -199,9 +199,9 @@ def test_kl_term_is_verls_kl_penalty(tiny_workdir):
     assert float(loss) == pytest.approx(metrics["actor/pg_loss"].aggregate() + 0.5 * float(expected_kl))
 
 
-def test_tis_weights_are_verls_helper(tiny_workdir, monkeypatch):
-    """Decoupled mode: old_log_prob is the trainer's own log-prob at the start of the sync cycle (before the update),
-    and the IS weights passed to the loss are what verl's rollout-correction helper returns for it and mu."""
+def record_correction_and_loss_calls(monkeypatch) -> tuple[list, list]:
+    """Record, unchanged, every call of verl's rollout-correction helper (kwargs, result) and the fields of every
+    micro-batch loss."""
     calls, losses = [], []
     real_helper, real_loss = ppo_update.compute_rollout_correction_and_rejection_mask, ppo_update.micro_batch_loss
 
@@ -216,6 +216,13 @@ def test_tis_weights_are_verls_helper(tiny_workdir, monkeypatch):
 
     monkeypatch.setattr(ppo_update, "compute_rollout_correction_and_rejection_mask", helper)
     monkeypatch.setattr(ppo_update, "micro_batch_loss", loss)
+    return calls, losses
+
+
+def test_tis_weights_are_verls_helper(tiny_workdir, monkeypatch):
+    """Decoupled mode: old_log_prob is the trainer's own log-prob at the start of the sync cycle (before the update),
+    and the IS weights passed to the loss are what verl's rollout-correction helper returns for it and mu."""
+    calls, losses = record_correction_and_loss_calls(monkeypatch)
     _, _, records = run(tiny_workdir, "+recipe=grpo_tis", *PAPER_LAG[1], "trainer.experiment_name=tis", steps=1)
     (kwargs, (weights, _, _)), fields = calls[0], losses[0]
     assert kwargs["rollout_is"] == "token" and kwargs["rollout_is_threshold"] == 2.0
@@ -372,26 +379,15 @@ def test_every_remedy_row_trains_through_verl(tiny_workdir, monkeypatch, recipe)
     decoupled mode: verl's helper gets the preset's keys, its IS weights and rejection mask are what the loss gets,
     and its metrics (the preset's own: IcePop's out-of-bounds ratio, each rejection option's masked fraction) are
     logged. A loss row stays in its base row's bypass mode: no correction."""
-    remedy, looked_up, calls, losses = REMEDIES[recipe], [], [], []
-    real_lookup, real_helper = verl_losses.get_policy_loss_fn, ppo_update.compute_rollout_correction_and_rejection_mask
-    real_loss = ppo_update.micro_batch_loss
+    remedy, looked_up = REMEDIES[recipe], []
+    real_lookup = verl_losses.get_policy_loss_fn
 
     def lookup(name):
         looked_up.append(name)
         return real_lookup(name)
 
-    def helper(**kwargs):
-        out = real_helper(**kwargs)
-        calls.append((kwargs, out))
-        return out
-
-    def loss(actor, log_prob, entropy, fields, info, prompt_len):
-        losses.append(fields)
-        return real_loss(actor, log_prob, entropy, fields, info, prompt_len)
-
     monkeypatch.setattr(verl_losses, "get_policy_loss_fn", lookup)
-    monkeypatch.setattr(ppo_update, "compute_rollout_correction_and_rejection_mask", helper)
-    monkeypatch.setattr(ppo_update, "micro_batch_loss", loss)
+    calls, losses = record_correction_and_loss_calls(monkeypatch)
     settings, summary, records = run(tiny_workdir, f"+recipe={recipe}", *PAPER_LAG[1], steps=1)
     last = records[-1]
     assert summary["steps_done"] == 1 and last["actor/mismatch_abs_log_ratio"] > 0
