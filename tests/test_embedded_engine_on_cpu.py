@@ -485,3 +485,23 @@ def test_summary_rule_by_hand():
     assert summary["last_epoch_mismatch"] == pytest.approx(1.0)  # mean over the last 10% of 10 steps: step 10
     assert summary["last_policy_lag"] == pytest.approx(0.5) and summary["last_engine_mismatch"] is None
     assert run_files.summarize([*records[:-1], {"step": 10, run_files.ACCURACY: 0.25}], 10)["collapsed"] is False
+    assert summary["mean_clip_frac"] is None and summary["seconds_per_optimizer_step"] is None  # nothing trained
+
+
+def test_summary_run_means_by_hand():
+    """Run means average every training step (evaluation excluded); IS out-of-bounds adds both sides; time is per
+    optimizer step."""
+    clip, high, low = (
+        "actor/pg_clipfrac",
+        "rollout_corr/rollout_is_ratio_fraction_high",
+        "rollout_corr/rollout_is_ratio_fraction_low",
+    )
+    records = [{"step": 0, run_files.ACCURACY: 0.2},
+               {"step": 1, run_files.OPTIMIZER_STEP: 8, run_files.STEP_SECONDS: 4.0, clip: 0.1, high: 0.02, low: 0.01},
+               {"step": 2, run_files.OPTIMIZER_STEP: 16, run_files.STEP_SECONDS: 2.0, clip: 0.3, high: 0.04, low: 0.0,
+                run_files.ACCURACY: 0.3}]  # fmt: skip
+    summary = run_files.summarize(records, total_steps=2)
+    assert summary["mean_clip_frac"] == pytest.approx(0.2)
+    assert summary["mean_is_out_of_bounds_frac"] == pytest.approx(0.035)
+    assert summary["mean_rs_masked_frac"] is None and summary["mean_sat_intercepted_frac"] is None
+    assert summary["seconds_per_optimizer_step"] == pytest.approx(6.0 / 16)

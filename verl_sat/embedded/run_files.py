@@ -50,6 +50,18 @@ TAIL_MEANS = {"last_epoch_mismatch": MISMATCH, "last_policy_lag": POLICY_LAG, "l
               "last_intercepted_frac": INTERCEPTED, "last_gate_rate": GATE_RATE, "last_q": SAT_Q,
               "last_structurally_empty": STRUCTURALLY_EMPTY,
               "last_seqs_per_micro_batch": SEQS_PER_MICRO_BATCH}  # fmt: skip
+# summary key -> metrics summed per step, then averaged over every training step: what each remedy acts on
+RUN_MEANS = {
+    "clip_frac": ("actor/pg_clipfrac",),  # tokens the loss clips (verl's pg_clipfrac)
+    "rs_masked_frac": ("rollout_corr/rollout_rs_masked_fraction",),  # tokens rejection sampling masks
+    # tokens whose IS weight pi_old / mu is out of its bounds: truncated (TIS) or zeroed (IcePop)
+    "is_out_of_bounds_frac": (
+        "rollout_corr/rollout_is_ratio_fraction_high",
+        "rollout_corr/rollout_is_ratio_fraction_low",
+    ),
+    "sat_intercepted_frac": (INTERCEPTED,),  # tokens SAT's contracted bound intercepts
+}
+STEP_SECONDS = "timing/step_s"  # a trainer step's wall time, evaluation excluded
 COLLAPSE_RATIO = 0.5  # collapsed: last accuracy < COLLAPSE_RATIO x best accuracy
 MISMATCH_TAIL = 0.1  # last-epoch mismatch of a run: mean over its last 10% of steps
 
@@ -114,8 +126,9 @@ def checkpoints(folder: Path) -> list[Path]:
 def summarize(records: list[dict], total_steps: int, radius: float | None = None) -> dict:
     """Best and last accuracy with their steps, the collapse flag (``last < COLLAPSE_RATIO * best``), and the means
     over the last ``MISMATCH_TAIL`` of the steps of the mismatch, its split and SAT's intercepted fraction, gate rate
-    and tail quantile ``q`` (``None`` where the run does not log them), and ``q / radius`` (the upper clip radius
-    ``eps_hi``) when ``radius`` is given."""
+    and tail quantile ``q`` (``None`` where the run does not log them), ``q / radius`` (the upper clip radius
+    ``eps_hi``) when ``radius`` is given, the ``RUN_MEANS`` over every training step (``mean_<name>``), and the wall
+    time per optimizer step."""
     evals = [(r["step"], r[ACCURACY]) for r in records if ACCURACY in r]
     steps = [r for r in records if MISMATCH in r]
     tail = steps[-max(1, math.ceil(MISMATCH_TAIL * len(steps))) :] if steps else []
@@ -125,6 +138,13 @@ def summarize(records: list[dict], total_steps: int, radius: float | None = None
     for name, key in TAIL_MEANS.items():
         values = [r[key] for r in tail if key in r]
         tail_means[name] = sum(values) / len(values) if values else None
+    trained = [r for r in records if STEP_SECONDS in r]
+    run_means = {}
+    for name, keys in RUN_MEANS.items():
+        values = [sum(r[k] for k in keys if k in r) for r in trained if any(k in r for k in keys)]
+        run_means[f"mean_{name}"] = sum(values) / len(values) if values else None
+    optimizer_steps = max((optimizer_step(r) for r in trained), default=0)
+    step_seconds = sum(r[STEP_SECONDS] for r in trained) / optimizer_steps if optimizer_steps else None
     return {
         "steps_done": max((r["step"] for r in records), default=0),
         "total_steps": total_steps,
@@ -138,6 +158,8 @@ def summarize(records: list[dict], total_steps: int, radius: float | None = None
         **tail_means,
         "radius": radius,
         "last_q_over_radius": None if tail_means["last_q"] is None or not radius else tail_means["last_q"] / radius,
+        **run_means,
+        "seconds_per_optimizer_step": step_seconds,
     }
 
 
