@@ -236,7 +236,9 @@ def test_tis_weights_are_verls_helper(tiny_workdir, monkeypatch):
 
 def test_staleness_split_sums_to_d_and_is_zero_on_policy(tiny_workdir, monkeypatch):
     """Δπ + Δimpl = log pi(j) - log mu on every active token; at lag 0 the first mini-batch of a step trains the
-    weights that sampled it, so Δπ is exactly 0 there."""
+    weights that sampled it, so Δπ is exactly 0 there. With rollout.dtype=float32 the rollout samples with the
+    trainer's own weights, and Δimpl is float32 rounding (incremental decode against the full forward), far below
+    bf16's."""
     seen = []
     real_add = attribution.StalenessSplit.add
 
@@ -252,6 +254,10 @@ def test_staleness_split_sums_to_d_and_is_zero_on_policy(tiny_workdir, monkeypat
         assert torch.equal(policy[mask], torch.zeros_like(policy[mask]))  # one mini-batch per step at lag 0
         assert engine[mask].abs().max() > 0  # bf16 decode against the fp32 trainer
     assert all(r["staleness/policy_abs_mean"] == 0.0 and r["staleness/engine_abs_mean"] > 0 for r in records[1:])
+    _, _, fp32 = run(tiny_workdir, "+recipe=sat_grpo", "+lag=sync", "actor_rollout_ref.rollout.dtype=float32",
+                     "trainer.experiment_name=split0_fp32", steps=1)  # fmt: skip
+    assert fp32[1]["staleness/policy_abs_mean"] == 0.0
+    assert fp32[1]["staleness/engine_abs_mean"] < 1e-3 * records[1]["staleness/engine_abs_mean"]
     seen.clear()
     _, _, lagged = run(tiny_workdir, "+recipe=sat_grpo", *PAPER_LAG[3], "trainer.experiment_name=split3", steps=3)
     assert all(torch.allclose((p + e)[m], (lp - mu)[m], atol=1e-6) for lp, mu, m, p, e in seen)
@@ -444,6 +450,7 @@ def test_missing_and_stale_workdir_name_the_prepare_command(tiny_workdir, tmp_pa
       "trainer.v1.separate_async.hybrid_rollout.enable_switch"),  # behind a prefix verl-sat no longer lets through
      ("actor_rollout_ref.actor.policy_loss.sat.quantile=0.5", "actor_rollout_ref.actor.policy_loss.sat.quantile"),
      ("actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.top_p"),
+     ("actor_rollout_ref.rollout.dtype=float16", "actor_rollout_ref.rollout.dtype"),
      ("actor_rollout_ref.actor.optim.lr_warmup_steps=10", "actor_rollout_ref.actor.optim.lr_warmup_steps"),
      ("trainer.v1.trainer_mode=colocate_async", "trainer.v1.trainer_mode"),
      ("trainer.v1.sampler.max_off_policy_threshold=3", "trainer.v1.sampler.max_off_policy_threshold"),

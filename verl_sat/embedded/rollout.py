@@ -11,9 +11,10 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""The embedded rollout engine: its own bf16 copy of the policy, sampling in a background thread with an exact lag.
+"""The embedded rollout engine: its own copy of the policy in ``rollout.dtype`` (verl's default bfloat16), sampling in
+a background thread with an exact lag.
 
-The trainer publishes every weight version (``WeightStore``: a bf16 copy for the rollout engine and the fp32
+The trainer publishes every weight version (``WeightStore``: a copy in the rollout's dtype and the fp32
 weights, which the staleness attribution reads); the worker waits for the version ``LagSchedule`` names for each
 step, so it runs exactly ``ahead`` batches ahead and overlaps generation with training. Sampling draws from a
 generator seeded by (seed, step), owned by the worker thread: the same seed gives the same batches at any lag.
@@ -44,29 +45,30 @@ ROLLOUT_STREAM, EVAL_STREAM, SHUFFLE_STREAM = 1, 2, 3
 
 
 class WeightStore:
-    """Weight versions by number, shared by the trainer (publish) and the rollout worker (wait): a bf16 state dict
-    for the rollout engine and the fp32 one for the attribution forward."""
+    """Weight versions by number, shared by the trainer (publish) and the rollout worker (wait): a state dict in the
+    rollout's ``dtype`` for the rollout engine and the fp32 one for the attribution forward."""
 
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype = torch.bfloat16):
+        self.dtype = dtype
         self._states: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         self._cond = threading.Condition()
 
     def publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
         fp32 = {k: v.detach().to(torch.float32, copy=True) for k, v in state.items()}
-        bf16 = {k: v.to(torch.bfloat16) for k, v in fp32.items()}
+        rollout = {k: v.to(self.dtype) for k, v in fp32.items()}  # a float32 rollout shares the trainer's tensors
         with self._cond:
-            self._states[version] = (bf16, fp32)
+            self._states[version] = (rollout, fp32)
             self._cond.notify_all()
 
     def wait(self, version: int, stop: threading.Event) -> dict[str, torch.Tensor] | None:
-        """The bf16 state of ``version`` once published; ``None`` if ``stop`` is set first."""
+        """The rollout's state of ``version`` once published; ``None`` if ``stop`` is set first."""
         with self._cond:
             while version not in self._states and not stop.is_set():
                 self._cond.wait(timeout=0.1)
             return self._states[version][0] if version in self._states else None
 
     def trainer_weights(self, version: int) -> dict[str, torch.Tensor]:
-        """The fp32 weights of ``version`` (the trainer's own, before the bf16 cast)."""
+        """The fp32 weights of ``version`` (the trainer's own, before the rollout's cast)."""
         with self._cond:
             return self._states[version][1]
 
@@ -145,11 +147,11 @@ def score(tokenizer, input_ids: torch.Tensor, prompt_len: int, prompts: PromptSe
 
 
 class RolloutEngine:
-    """The bf16 rollout policy: samples ``rollout.n`` responses per prompt with the engine's decoder, returning the
-    sampling-time log-probs and, for R3, the routes of each decode step."""
+    """The rollout policy in ``settings.rollout_dtype``: samples ``rollout.n`` responses per prompt with the engine's
+    decoder, returning the sampling-time log-probs and, for R3, the routes of each decode step."""
 
     def __init__(self, policy: PreTrainedModel, tokenizer, prompts: PromptSet, settings):
-        self.model = policy.to(torch.bfloat16).eval()
+        self.model = policy.to(settings.rollout_dtype).eval()
         self.tokenizer, self.prompts, self.settings = tokenizer, prompts, settings
         self.routing = RoutingReplay.attach(self.model) if settings.routing_replay else None
         self.version = -1

@@ -47,7 +47,7 @@ READ_KEYS = frozenset(
     [
         "data.train_batch_size", "data.max_response_length", "data.seed", "data.train_files", "data.val_files",
         "actor_rollout_ref.model.path",
-        *(_ROLLOUT + k for k in ("n", "temperature", "top_p", "top_k", "enable_rollout_routing_replay",
+        *(_ROLLOUT + k for k in ("n", "temperature", "top_p", "top_k", "dtype", "enable_rollout_routing_replay",
                                  "val_kwargs.n", "val_kwargs.temperature", "val_kwargs.do_sample")),
         *(_ACTOR + k for k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode",
                                "loss_scale_factor", "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu",
@@ -75,6 +75,7 @@ EXTENSIBLE_KEYS = ("trainer.total_training_steps", "trainer.test_freq", "trainer
 OUTCOME_ESTIMATORS = ("grpo", "grpo_passk", "grpo_vectorized", "rloo", "rloo_vectorized", "opo", "remax_free",
                       "reinforce_plus_plus_baseline")  # fmt: skip
 SAT_LOSSES = ("sat", "sat_gspo")
+ROLLOUT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # rollout.dtype -> the rollout copy's dtype
 
 
 class EmbeddedConfigError(ValueError):
@@ -101,6 +102,7 @@ class RunSettings:
     seed: int
     device: str
     routing_replay: bool
+    rollout_dtype: torch.dtype  # rollout.dtype: the rollout engine's copy of the weights (verl's default bfloat16)
     bypass_mode: bool
     rollout_correction: dict  # keyword arguments of verl's rollout-correction helper (decoupled mode)
     use_kl_loss: bool
@@ -184,6 +186,7 @@ def _check_values(config: DictConfig, overrides: list[str]) -> None:
     checks = [
         (rollout.get("top_p", 1.0) == 1.0, _ROLLOUT + "top_p", "1.0 (the engine samples everything)"),
         (rollout.get("top_k", -1) in (-1, 0, None), _ROLLOUT + "top_k", "-1 (the engine samples everything)"),
+        (rollout.get("dtype", "bfloat16") in ROLLOUT_DTYPES, _ROLLOUT + "dtype", f"one of {list(ROLLOUT_DTYPES)}"),
         (actor.optim.get("lr_warmup_steps_ratio", 0.0) == 0.0, _ACTOR + "optim.lr_warmup_steps_ratio",
          "0 (the engine keeps the learning rate constant, as the paper's recipes do)"),
         ((actor.optim.get("lr_warmup_steps") or -1) <= 0, _ACTOR + "optim.lr_warmup_steps", "-1 or 0 (constant lr)"),
@@ -296,6 +299,7 @@ def compose_train_config(workdir: str | Path, args: list[str]) -> tuple[DictConf
         seed=int(config.data.seed or 0),
         device=device,
         routing_replay=rollout.enable_rollout_routing_replay,
+        rollout_dtype=ROLLOUT_DTYPES[rollout.get("dtype", "bfloat16")],
         bypass_mode=bool(correction.get("bypass_mode", False)),
         rollout_correction={
             key: correction.get(key)

@@ -116,7 +116,7 @@ def train(config: DictConfig, settings: RunSettings, progress: bool = True) -> d
     optimizer = build_optimizer(model.parameters(), actor.optim)
     train_prompts = PromptSet.load(settings.train_file, tokenizer)
     test_prompts = PromptSet.load(settings.test_file, tokenizer)
-    store = WeightStore()
+    store = WeightStore(settings.rollout_dtype)
     done = 0
     saved = run_files.checkpoints(run_dir / "checkpoints")
     if saved:
