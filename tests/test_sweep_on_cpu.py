@@ -23,6 +23,7 @@ import pytest
 
 from verl_sat import cli
 from verl_sat.embedded import sweep as sweep_module
+from verl_sat.embedded.remedy_view import remedy_view
 from verl_sat.embedded.report import (
     MICRO_BATCH_KEY,
     _row_label,
@@ -224,6 +225,37 @@ def test_micro_batch_view_pairs_each_size_with_its_own_base(tmp_path):
     assert "| 8 | sat_gspo | 3 | 31.0 ± 0.6 | 30.0 ± 0.0 | +1.0 (" in table and "| 1.00 |" in table
     assert (tmp_path / "micro_batch.png").stat().st_size > 10_000
     assert micro_batch_view(aggregate(records[:3]), paired(records[:3])) == []  # one size: no view
+
+
+def test_remedy_view_pairs_each_remedy_with_gspo_and_sat_gspo(tmp_path):
+    """Each remedy row pairs with gspo (row - gspo) and sat_gspo pairs with it (sat_gspo - row), seed by seed at the
+    same lag; the run means land in the table; a lag without gspo has no view; remedies.png is written."""
+    records = []
+    for s in (0, 1, 2):
+        records.append(record("gspo", 8, s, 0.30, 0.20, 0.10, mean_clip_frac=0.02, seconds_per_optimizer_step=1.0))
+        records.append(record("sat_gspo", 8, s, 0.36 + 0.01 * s, 0.35, 0.09, mean_sat_intercepted_frac=0.01))
+        records.append(record("gspo_k3_rs", 8, s, 0.32, 0.30 - 0.01 * s, 0.04, mean_rs_masked_frac=0.2 + 0.1 * s))
+        records.append(record("grpo", 8, s, 0.1, 0.1, 0.3))  # neither base, SAT row nor remedy: not in the view
+    records.append(record("gspo_icepop", 1, 0, 0.3, 0.3, 0.01))  # lag 1 has no gspo: no view there
+    view = remedy_view(records)
+    assert [(v["row"]["recipe"], v["row"]["lag_label"]) for v in view] == [
+        ("gspo", "lag8"), ("sat_gspo", "lag8"), ("gspo_k3_rs", "lag8")]  # fmt: skip
+    gspo, sat, k3 = view
+    assert gspo["vs_base"] is None and gspo["sat_vs"]["mean_diff"] == pytest.approx(0.07)
+    assert sat["vs_base"]["mean_diff"] == pytest.approx(0.07) and sat["sat_vs"] is None
+    assert k3["vs_base"]["mean_diff"] == pytest.approx(0.02) and k3["vs_base"]["last_mean_diff"] == pytest.approx(0.09)
+    assert k3["sat_vs"]["mean_diff"] == pytest.approx(0.05) and (k3["sat_vs"]["wins"], k3["sat_vs"]["losses"]) == (3, 0)
+    assert k3["row"]["rs_masked_frac"] == pytest.approx(0.3)
+    write_report(tmp_path, records, ["verl-sat report ..."])
+    table = (tmp_path / "results.md").read_text()
+    assert "## Remedies under staleness (lag8)" in table and "Remedies under staleness (lag1" not in table
+    assert "| gspo | 3 | 30.0 ± 0.0 | 20.0 ± 0.0 | 0/3 | 0.1000 | 0.0200 | - | - | - | 1.00 | - | - |" in table
+    assert (
+        "| gspo_k3_rs | 3 | 32.0 ± 0.0 | 29.0 ± 0.6 | 0/3 | 0.0400 | - | 0.3000 | - | - | - | +2.0 (0.000, 3/0) |"
+        in table
+    )
+    assert (tmp_path / "remedies.png").stat().st_size > 10_000
+    assert remedy_view([r for r in records if r["cell"]["recipe"] != "gspo"]) == []
 
 
 def test_report_selects_recipes_and_lags(tmp_path, capsys):

@@ -18,9 +18,10 @@ A row is one (recipe, lag, settings), settings being the sweep's overrides and `
 compares a SAT recipe with its base recipe on the seeds both ran with the same lag and settings (two-sided paired
 t-test on the per-seed difference). Output in ``OUT/``:
 ``results.json`` (``command``, ``rows``, ``paired``), ``results.csv``, ``results.md``, ``curves_<lag>.png``,
-``mismatch.png``, ``attribution.png``, when there are paired entries ``regime_map.png``, and when the rows differ in
+``mismatch.png``, ``attribution.png``, when there are paired entries ``regime_map.png``, when the rows differ in
 sequences per micro-batch (``actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu``) ``micro_batch.png`` with its
-table in ``results.md``.
+table in ``results.md``, and when they hold remedy rows with their ``gspo`` ``remedies.png`` with its tables
+(``verl_sat.embedded.remedy_view``).
 """
 
 import csv
@@ -34,7 +35,7 @@ from pathlib import Path
 import mpmath
 from omegaconf import OmegaConf
 
-from verl_sat.embedded import run_files
+from verl_sat.embedded import remedy_view, run_files
 from verl_sat.recipe_catalog import PAPER_TABLE_1
 
 # SAT recipe -> the recipe it changes only by its loss
@@ -52,6 +53,12 @@ ROW_MEANS = {
     "engine_abs_mean": "last_engine_mismatch",
     "structurally_empty": "last_structurally_empty",
     "seqs_per_micro_batch": "last_seqs_per_micro_batch",
+    # run means over every training step: what a remedy clips, masks or reweights, and its cost
+    "clip_frac": "mean_clip_frac",
+    "rs_masked_frac": "mean_rs_masked_frac",
+    "is_out_of_bounds_frac": "mean_is_out_of_bounds_frac",
+    "sat_intercepted_run_frac": "mean_sat_intercepted_frac",
+    "seconds_per_optimizer_step": "seconds_per_optimizer_step",
 }
 MICRO_BATCH_KEY = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
 
@@ -161,18 +168,26 @@ def paired(records: list[dict]) -> list[dict]:
         pairs = [(r["summary"], base_by_seed[r["cell"]["seed"]]) for r in group if r["cell"]["seed"] in base_by_seed]
         entry = {"recipe": recipe, "base": SAT_BASE[recipe], "lag": lag, "lag_regime": "sync" if lag == 0 else regime,
                  "lag_label": _lag_label(regime, lag), "settings": list(settings_),
-                 "seeds": sorted(r["cell"]["seed"] for r in group if r["cell"]["seed"] in base_by_seed)}  # fmt: skip
-        for metric, prefix in (("best_accuracy", ""), ("last_accuracy", "last_")):
-            diffs = [sat[metric] - base[metric] for sat, base in pairs]
-            t, p = paired_t_test(diffs)
-            entry |= {f"{prefix}mean_diff": sum(diffs) / len(diffs), f"{prefix}diff_se": mean_se(diffs)[1],
-                      f"{prefix}t": t, f"{prefix}p_value": p,
-                      f"{prefix}wins": sum(d > 0 for d in diffs),
-                      f"{prefix}losses": sum(d < 0 for d in diffs)}  # fmt: skip
+                 "seeds": sorted(r["cell"]["seed"] for r in group if r["cell"]["seed"] in base_by_seed),
+                 **paired_differences(pairs)}  # fmt: skip
         entry["q_over_radius"] = _mean_or_none([sat.get("last_q_over_radius") for sat, _ in pairs])
         entry["intercepted_frac"] = _mean_or_none([sat.get("last_intercepted_frac") for sat, _ in pairs])
         entries.append(entry)
     return entries
+
+
+def paired_differences(pairs: list[tuple[dict, dict]]) -> dict:
+    """Summaries paired by seed, ``(a, b)``: for best and for last accuracy (``last_`` prefix) the mean per-seed
+    difference ``a - b``, its standard error, the paired t-test's ``t`` and two-sided p-value, and a's wins and
+    losses."""
+    entry = {}
+    for metric, prefix in (("best_accuracy", ""), ("last_accuracy", "last_")):
+        diffs = [a[metric] - b[metric] for a, b in pairs]
+        t, p = paired_t_test(diffs)
+        entry |= {f"{prefix}mean_diff": sum(diffs) / len(diffs), f"{prefix}diff_se": mean_se(diffs)[1],
+                  f"{prefix}t": t, f"{prefix}p_value": p,
+                  f"{prefix}wins": sum(d > 0 for d in diffs), f"{prefix}losses": sum(d < 0 for d in diffs)}  # fmt: skip
+    return entry
 
 
 def write_report(out: Path, records: list[dict], commands: list[str], failed: list[str] = ()) -> None:
@@ -186,9 +201,11 @@ def write_report(out: Path, records: list[dict], commands: list[str], failed: li
     writer.writeheader()
     writer.writerows(rows)
     run_files.write_atomic(out / "results.csv", buffer.getvalue())
-    run_files.write_atomic(out / "results.md", results_markdown(rows, pairs, commands, failed))
+    remedies = remedy_view.remedy_view(records)
+    run_files.write_atomic(out / "results.md", results_markdown(rows, pairs, commands, failed, remedies))
     plot_report(out, records, rows, pairs)
     plot_micro_batch(out, rows, pairs)
+    remedy_view.plot_remedies(out, remedies)
 
 
 def _pct(value: float | None, se: float | None = None) -> str:
@@ -205,8 +222,10 @@ def _p(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def results_markdown(rows: list[dict], pairs: list[dict], commands: list[str], failed: list[str] = ()) -> str:
-    """Our table (one per lag and settings), the paired comparisons, then the paper's Table 1, never mixed."""
+def results_markdown(rows: list[dict], pairs: list[dict], commands: list[str], failed: list[str] = (),
+                     remedies: list[dict] = ()) -> str:  # fmt: skip
+    """Our table (one per lag and settings), the paired comparisons, the micro-batch and remedy views where the rows
+    have them, then the paper's Table 1, never mixed."""
     lines = ["# Sweep results", "", "Commands:", "", "```bash", *commands, "```", "",
              "Accuracy: test avg@k, mean ± standard error over seeds (in %). Collapsed: runs whose last accuracy is "
              f"below {run_files.COLLAPSE_RATIO} x their best. Every other column is the seed mean of the run's mean "
@@ -241,6 +260,7 @@ def results_markdown(rows: list[dict], pairs: list[dict], commands: list[str], f
                   for e in pairs]  # fmt: skip
         lines.append("")
     lines += micro_batch_markdown(rows, pairs)
+    lines += remedy_view.remedy_markdown(remedies)
     if failed:
         lines += ["Failed cells (see the sweep's logs/): " + ", ".join(failed), ""]
     recipes = list(dict.fromkeys(r["recipe"] for r in rows))
