@@ -11,15 +11,19 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Embedded engine throughput and memory at the default config: lag 0, paper lag 1 and paper lag 8 side by side.
+"""Embedded engine throughput and memory at the default config: lag 0, paper lag 1 and paper lag 8 side by side,
+then the cost of each remedy row.
 
 Each lag trains ``+recipe=sat_gspo_r3`` for the same number of optimizer steps (16 prompts x 8 responses each; a
 paper-lag-8 trainer step holds 8 of them), without evaluation or checkpoints, in its own process so that its peak
 resident memory is its own. Printed per lag: optimizer steps/s, trainer tokens/s, seconds of generation per batch,
 peak RSS, and the cost of the staleness attribution (the no-grad forward of the sampling version's fp32 weights,
-timed inside every step) as a share of the step. Prepares ``--workdir`` first if needed.
+timed inside every step) as a share of the step. Then ``gspo``, ``sat_gspo`` and every remedy row at paper lag 8, the
+same way, one after another: seconds per optimizer step and the ratio to ``gspo`` (the rows in decoupled mode pay
+verl's extra ``old_log_prob`` forward per batch). Prepares ``--workdir`` first if needed.
 
     python benchmarks/bench_embedded.py [--workdir verl_sat_work] [--optimizer-steps 48] [--device cpu|cuda]
+        [--no-remedies]
 """
 
 import argparse
@@ -34,15 +38,19 @@ from verl_sat.embedded import run_files
 from verl_sat.embedded.prepare import WorkdirError, check_prepared, prepare
 from verl_sat.embedded.run_config import compose_train_config
 from verl_sat.embedded.train import train
+from verl_sat.recipe_catalog import REMEDY_ROWS
 
 LAGS = {"sync": "lag 0", "lag1": "paper lag 1", "lag8": "paper lag 8"}
+LAG_RECIPE = "sat_gspo_r3"  # the recipe of the lag table
+REMEDY_LAG = "lag8"  # the lag of the remedy table
+REMEDY_TABLE = ("gspo", "sat_gspo", *REMEDY_ROWS)  # gspo first: the ratios' denominator
 
 
-def timed_run(workdir: str, lag: str, optimizer_steps: int, device: str) -> dict:
-    """Train one lag in this process; the measured row."""
-    name = f"bench-{lag}"
+def timed_run(workdir: str, recipe: str, lag: str, optimizer_steps: int, device: str) -> dict:
+    """Train one recipe and lag in this process; the measured row."""
+    name = f"bench-{recipe}-{lag}"
     shutil.rmtree(f"{workdir}/runs/{name}", ignore_errors=True)
-    overrides = ["+recipe=sat_gspo_r3", f"+lag={lag}", "trainer.test_freq=-1", "trainer.val_before_train=false",
+    overrides = [f"+recipe={recipe}", f"+lag={lag}", "trainer.test_freq=-1", "trainer.val_before_train=false",
                  "trainer.save_freq=-1", f"trainer.device={device}", f"trainer.experiment_name={name}"]  # fmt: skip
     per_step = compose_train_config(workdir, overrides)[1].schedule.sync_steps
     if optimizer_steps % per_step:
@@ -58,7 +66,7 @@ def timed_run(workdir: str, lag: str, optimizer_steps: int, device: str) -> dict
     tokens = sum(r["perf/tokens_per_s"] * r["timing/step_s"] for r in records)
     shutil.rmtree(settings.run_dir)
     return {
-        "lag": lag, "trainer_steps": len(records), "wall_s": wall, "loop_s": loop,
+        "recipe": recipe, "lag": lag, "trainer_steps": len(records), "wall_s": wall, "loop_s": loop,
         "optimizer_steps_per_s": optimizer_steps / loop, "tokens_per_s": tokens / loop,
         "gen_s_per_batch": sum(r["timing/gen_s"] for r in records) / len(records),
         "attribution_share": sum(r["timing/attribution_s"] for r in records) / loop,
@@ -71,22 +79,25 @@ def main() -> None:
     parser.add_argument("--workdir", default="verl_sat_work")
     parser.add_argument("--optimizer-steps", type=int, default=48)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--one", choices=list(LAGS), help=argparse.SUPPRESS)  # the child process of one lag
+    parser.add_argument("--no-remedies", action="store_true", help="skip the remedy rows' table")
+    parser.add_argument("--one", nargs=2, metavar=("RECIPE", "LAG"), help=argparse.SUPPRESS)  # a child process
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(timed_run(args.workdir, args.one, args.optimizer_steps, args.device)))
+        print(json.dumps(timed_run(args.workdir, *args.one, args.optimizer_steps, args.device)))
         return
     try:
         check_prepared(args.workdir)
     except WorkdirError:
         prepare(args.workdir)
-    rows = []
-    for lag in LAGS:
+
+    def measure(recipe: str, lag: str) -> dict:
         command = [sys.executable, __file__, "--workdir", args.workdir, "--optimizer-steps", str(args.optimizer_steps),
-                   "--device", args.device, "--one", lag]  # fmt: skip
+                   "--device", args.device, "--one", recipe, lag]  # fmt: skip
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-        rows.append(json.loads(out.strip().splitlines()[-1]))
-    print(f"embedded engine, sat_gspo_r3, default config, {args.optimizer_steps} optimizer steps of 16 x 8 sequences "
+        return json.loads(out.strip().splitlines()[-1])
+
+    rows = [measure(LAG_RECIPE, lag) for lag in LAGS]
+    print(f"embedded engine, {LAG_RECIPE}, default config, {args.optimizer_steps} optimizer steps of 16 x 8 sequences "
           f"per lag, device {args.device}")  # fmt: skip
     print(f"{'lag':<12} {'trainer steps':>13} {'opt steps/s':>11} {'tokens/s':>9} {'gen s/batch':>11} "
           f"{'peak RSS MB':>11} {'attribution':>11}")  # fmt: skip
@@ -99,6 +110,15 @@ def main() -> None:
         f"loop-time ratio lag 0 / paper lag 1 (same optimizer steps): {sync['loop_s'] / lag1['loop_s']:.2f}x; "
         f"lag 0 / paper lag 8: {sync['loop_s'] / lag8['loop_s']:.2f}x"
     )
+    if args.no_remedies:
+        return
+    remedies = [measure(recipe, REMEDY_LAG) for recipe in REMEDY_TABLE]
+    base = remedies[0]["loop_s"]
+    print(f"\nremedy rows, {LAGS[REMEDY_LAG]}, {args.optimizer_steps} optimizer steps each, one after another")
+    print(f"{'recipe':<16} {'s / opt step':>12} {'x gspo':>7} {'gen s/batch':>11}")
+    for r in remedies:
+        print(f"{r['recipe']:<16} {r['loop_s'] / args.optimizer_steps:>12.3f} {r['loop_s'] / base:>7.2f} "
+              f"{r['gen_s_per_batch']:>11.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":
