@@ -26,9 +26,13 @@ import pytest
 from conftest import VERL_RECIPE, run_recipe, without_verl_sat
 from omegaconf import OmegaConf
 
+import verl_sat.main
 from verl_sat.main import compose_job, with_recipes_searchpath
 from verl_sat.preflight import check_config, check_sizes, check_trainer_startup
-from verl_sat.upstream.recipe_names import PACKAGE, RECIPE
+from verl_sat.upstream.edit import UpstreamDriftError
+from verl_sat.upstream.recipe_code import module_copy
+from verl_sat.upstream.recipe_configs import flat_sat_keys
+from verl_sat.upstream.recipe_names import PACKAGE, RECIPE, renamed
 from verl_sat.upstream.recipe_readme import REVIEW_RUNS
 from verl_sat.upstream.series import VERL_VERSION, verl_site_root
 
@@ -115,3 +119,18 @@ def test_recipe_uses_verls_own_losses_with_the_core_series(series, patched_repor
     assert run["code"] == 0, run["stderr"][-3000:]
     policy_loss = OmegaConf.create(run["stdout"]).actor_rollout_ref.actor.policy_loss
     assert policy_loss._target_ == f"{PACKAGE}.compat.SatPolicyLossConfig" and policy_loss.sat_quantile == 0.9
+
+
+def test_what_the_recipe_cannot_carry_stops_generation_naming_the_file():
+    """A plugin-only reference left in a recipe file, a plugin line the recipe's main no longer finds, and a nested SAT
+    key that is not a SAT hyperparameter each stop generation with the file named."""
+    with pytest.raises(UpstreamDriftError, match=r"recipes/lag/lag8\.yaml still names \['docs/results\.md'\]"):
+        renamed("# see docs/results.md\n", "recipes/lag/lag8.yaml")
+    with pytest.raises(UpstreamDriftError, match=r"verl_sat\.main -> recipe\.sat\.main: expected exactly one"):
+        module_copy(verl_sat.main, "", edits=(("    use_gpu()\n", ""),))
+    nested = "actor:\n  policy_loss:\n    sat:\n      quantile: 0.9\n      radius: 2\n"
+    with pytest.raises(UpstreamDriftError, match=r"recipes/method/x\.yaml: sat\.radius is not a SatParams field"):
+        flat_sat_keys(nested, "method/x.yaml")
+    assert flat_sat_keys(nested.replace("      radius: 2\n", ""), "method/x.yaml") == (
+        "actor:\n  policy_loss:\n    sat_quantile: 0.9\n"
+    )

@@ -16,6 +16,7 @@ its ``REQUIRED_VERL.txt`` (pinned to verl 0.9.1, read by verl-recipe's ``install
 request, from the recipe's own pieces, the paper's Table 1 and the SAT keys."""
 
 import shlex
+from collections.abc import Iterable
 
 from verl_sat.lag_presets import lag_keys
 from verl_sat.recipe_catalog import PAPER_TABLE_1, summary
@@ -215,7 +216,7 @@ def pr_markdown(files: dict[str, str], core_pr: str) -> str:
     return "\n".join(lines)
 
 
-def _keys(presets) -> str:
+def _keys(presets: Iterable[dict[str, object]]) -> str:
     """Table cells: each preset's keys as ``key=value``, the recipe's resolver names in the values."""
     return " | ".join(
         ", ".join(f"`{key}={with_recipe_phrases(str(value))}`" for key, value in keys.items()) for keys in presets
