@@ -62,7 +62,8 @@ bench: install
 	$(PY) benchmarks/bench_routing_replay.py
 	$(PY) benchmarks/bench_embedded.py --workdir $(WORKDIR)
 
-# SAT and FSDP routing replay as a patch series against verl 0.9.1, generated from this package, plus PR.md
+# generated from this package: SAT and FSDP routing replay as a patch series against verl 0.9.1 plus PR.md (verl/),
+# and the sat/ recipe for verl-recipe plus PR.md (verl-recipe/)
 upstream: install
 	$(VENV)/bin/verl-sat upstream --out $(WORKDIR)/upstream
 

@@ -11,7 +11,8 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Shared fixtures: verl's composed actor config, random stale batches, and what each remedy comparison row sets.
+"""Shared fixtures: verl's composed actor config, random stale batches, what each remedy comparison row sets, and what
+``verl-sat upstream`` writes with verl 0.9.1's tree the core series was applied to.
 
 No ``tests/__init__.py``: the verl wheel ships a top-level ``tests`` package of its own.
 """
@@ -19,9 +20,12 @@ No ``tests/__init__.py``: the verl wheel ships a top-level ``tests`` package of 
 import copy
 import functools
 import json
+import os
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,8 +34,13 @@ from verl.trainer.config import RolloutCorrectionConfig
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import ActorConfig
 
+from verl_sat.cli import main as cli_main
 from verl_sat.config import SatConfig
 from verl_sat.embedded.prepare import PrepareSpec, prepare
+from verl_sat.upstream import RECIPE_DIR, VERL_DIR
+from verl_sat.upstream.recipe_names import RECIPE
+from verl_sat.upstream.recipe_readme import REVIEW_RUNS
+from verl_sat.upstream.series import verl_site_root
 
 # The embedded engine at test size: a 2-layer, 4-expert policy on one-digit addition, warm-started into TINY_BAND
 # (about 3 s).
@@ -213,3 +222,111 @@ def vllm_float32(tiny_workdir, tmp_path_factory):
            "--out", str(out / "reload.json"), "--samples-out", str(out / "samples.pt")]  # fmt: skip
     subprocess.run(cmd, check=True, timeout=600)
     return {"figures": json.loads((out / "reload.json").read_text()), "samples": out / "samples.pt"}
+
+
+# ---- verl-sat upstream ---------------------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+# the slim copy of verl-project/verl-recipe beside the checkout (its README, installer and lint configuration)
+VERL_RECIPE = Path(os.environ.get("VERL_RECIPE_SNAPSHOT", REPO.parent / "shared" / "verl-recipe"))
+# in an interpreter that must not see the plugin: verl-sat is not importable (and verl's plugin loader skips it)
+BLOCK_VERL_SAT = "import sys\nsys.modules['verl_sat'] = None\n"
+# runs ``python -m recipe.sat.main`` as ``-m`` does (runpy, as __main__) once per argument list given as JSON, in one
+# interpreter; prints what each run printed and how it exited, where verl and the recipe took their SAT pieces from, and
+# the FSDP engine verl builds once a worker has built the recipe's router-replay config with mode R3
+RECIPE_DRIVER = """
+import contextlib, io, json, runpy, sys
+try:
+    import verl_sat
+    blocked = False
+except ImportError:
+    blocked = True
+runs = []
+for args in json.loads(sys.argv[1]):
+    sys.argv = ["recipe.sat.main", *args]
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module("recipe.sat.main", run_name="__main__", alter_sys=True)
+        except SystemExit as exit:
+            code = exit.code
+        except Exception as error:
+            code = repr(error)
+    runs.append({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+import verl
+from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+from verl.workers.engine.base import EngineRegistry
+try:
+    from recipe.sat import compat
+    classes = [f"{c.__module__}.{c.__qualname__}" for c in (compat.SatPolicyLossConfig, compat.FSDPRouterReplayConfig)]
+    compat.FSDPRouterReplayConfig(mode="R3")  # what a worker builds for r3=fsdp
+    engine = EngineRegistry._engines["language_model"]["fsdp"]["cuda"]
+    engine = f"{engine.__module__}.{engine.__qualname__}"
+except Exception as error:
+    classes = engine = repr(error)
+print(json.dumps({
+    "blocked": blocked, "verl": verl.__file__, "runs": runs, "classes": classes, "fsdp_engine_with_r3": engine,
+    "losses": [getattr(POLICY_LOSS_REGISTRY.get(name), "__module__", None) for name in ("sat", "sat_gspo")],
+    "fallback_loaded": sorted(name for name in sys.modules if name.startswith("recipe.sat.fallback")),
+}))
+"""
+
+
+def verl_copy(dest: Path) -> Path:
+    """verl 0.9.1 as the wheel installed it (``verl/`` and the wheel's ``tests/``), copied to ``dest``."""
+    site = verl_site_root()
+    for name in ("verl", "tests"):
+        shutil.copytree(site / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return dest
+
+
+def git_apply(tree: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "apply", *args], cwd=tree, capture_output=True, text=True)
+
+
+def without_verl_sat(block: Path, *path: Path) -> dict[str, str]:
+    """An environment whose interpreters put ``path`` first on ``sys.path`` and cannot import verl-sat (a
+    ``sitecustomize`` written to ``block``)."""
+    block.mkdir(parents=True, exist_ok=True)
+    (block / "sitecustomize.py").write_text(BLOCK_VERL_SAT)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, [*path, block])), "VERL_USE_EXTERNAL_PLUGINS": "none"}
+
+
+def run_recipe(checkout: Path, env: dict[str, str], *runs: tuple[str, ...]) -> dict:
+    """``RECIPE_DRIVER``'s report for ``python -m recipe.sat.main ARGS --cfg job``, each of ``runs``, from
+    ``checkout``."""
+    proc = subprocess.run([sys.executable, "-c", RECIPE_DRIVER, json.dumps([[*args, "--cfg", "job"] for args in runs])],
+                          cwd=checkout, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def series(tmp_path_factory):
+    """What the CLI's ``upstream`` wrote (its ``--out`` folder), the core series' patches, and a verl checkout made of
+    both contributions: verl 0.9.1's tree (``verl/`` and the wheel's ``tests/``) with the series applied (``--check``
+    first) and, as its ``recipe/`` submodule, verl-recipe (a copy of ``VERL_RECIPE`` where there is one) with the
+    generated recipe laid in."""
+    out = tmp_path_factory.mktemp("upstream")
+    assert cli_main(["upstream", "--out", str(out)]) == 0
+    patches = sorted((out / VERL_DIR).glob("*.patch"))
+    tree = verl_copy(tmp_path_factory.mktemp("verl"))
+    for patch in patches:
+        check = git_apply(tree, "--check", str(patch))
+        assert check.returncode == 0, check.stderr
+        applied = git_apply(tree, str(patch))
+        assert applied.returncode == 0, applied.stderr
+    if VERL_RECIPE.is_dir():
+        shutil.copytree(VERL_RECIPE, tree / "recipe")
+        (tree / "recipe").chmod(0o755)  # the snapshot is read-only
+    shutil.copytree(out / RECIPE_DIR / RECIPE, tree / "recipe" / RECIPE)
+    return out, patches, tree
+
+
+@pytest.fixture(scope="session")
+def patched_report(series, tmp_path_factory):
+    """``run_recipe``'s report from the checkout ``series`` made, without verl-sat: which verl is imported, where the
+    SAT losses and the recipe's config classes come from, and the reviewer's dry run of the separate-async trainer."""
+    _, _, tree = series
+    env = without_verl_sat(tmp_path_factory.mktemp("block"), tree)
+    return run_recipe(tree, env, REVIEW_RUNS["separate_async"])

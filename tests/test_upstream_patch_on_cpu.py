@@ -27,11 +27,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import git_apply, verl_copy, without_verl_sat
 from omegaconf import OmegaConf
 
-from verl_sat.cli import main as cli_main
 from verl_sat.preflight import check_sizes
-from verl_sat.upstream import LOGGING_TEST, PATCHES, R3_TEST, ROLLOUT_LOGGING_TEST, SAT_TEST, write_upstream
+from verl_sat.upstream import LOGGING_TEST, PATCHES, R3_TEST, ROLLOUT_LOGGING_TEST, SAT_TEST, VERL_DIR, write_upstream
 from verl_sat.upstream.edit import UpstreamDriftError
 from verl_sat.upstream.examples import SCRIPTS
 from verl_sat.upstream.generated_configs import CONFIG_DIR, GENERATED, regenerate
@@ -42,41 +42,10 @@ from verl_sat.upstream.series import verl_site_root
 from verl_sat.upstream.trainer_fix_patch import SEPARATE_ASYNC
 
 REPO = Path(__file__).resolve().parent.parent
-# in the patched interpreter: verl-sat is not importable (and verl's plugin loader skips external plugins)
-BLOCK_VERL_SAT = "import sys\nsys.modules['verl_sat'] = None\n"
-
-
-def _verl_copy(dest: Path) -> Path:
-    """verl 0.9.1 as the wheel installed it (``verl/`` and the wheel's ``tests/``), copied to ``dest``."""
-    site = verl_site_root()
-    for name in ("verl", "tests"):
-        shutil.copytree(site / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    return dest
-
-
-def _git_apply(tree: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "apply", *args], cwd=tree, capture_output=True, text=True)
-
-
-@pytest.fixture(scope="module")
-def series(tmp_path_factory):
-    """The series written by the CLI, and a copy of verl 0.9.1 it was applied to (``--check`` first)."""
-    out = tmp_path_factory.mktemp("upstream")
-    assert cli_main(["upstream", "--out", str(out)]) == 0
-    patches = sorted(out.glob("*.patch"))
-    tree = _verl_copy(tmp_path_factory.mktemp("verl"))
-    for patch in patches:
-        check = _git_apply(tree, "--check", str(patch))
-        assert check.returncode == 0, check.stderr
-        applied = _git_apply(tree, str(patch))
-        assert applied.returncode == 0, applied.stderr
-    return out, patches, tree
 
 
 def _patched_python(tree: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    (tmp_path / "block").mkdir(exist_ok=True)
-    (tmp_path / "block" / "sitecustomize.py").write_text(BLOCK_VERL_SAT)
-    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{tmp_path / 'block'}", "VERL_USE_EXTERNAL_PLUGINS": "none"}
+    env = without_verl_sat(tmp_path / "block", tree)
     return subprocess.run([sys.executable, *args], cwd=tree, env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -130,7 +99,7 @@ def test_series_has_four_patches_and_a_pr_text(series):
         R3_TEST,
     ):
         assert f"diff --git a/{path} b/{path}" in texts[1], path  # fmt: skip
-    pr = (out / "PR.md").read_text()
+    pr = (out / VERL_DIR / "PR.md").read_text()
     assert pr.startswith("# [algo] feat: SAT")
     assert "The series has 4 patches" in pr and f"4. `{patches[3].name}`: {PATCHES[3].subject}" in pr
     assert "git am --keep-non-patch 0001-*.patch 0002-*.patch 0003-*.patch 0004-*.patch" in pr
@@ -142,19 +111,11 @@ def test_series_has_four_patches_and_a_pr_text(series):
     assert re.search(r"\| sat_gspo \| gspo \| lag8 \| 3 \| [+-]\d+\.\d \(0\.\d{3}\)", pr)
 
 
-def test_patched_verl_passes_sat_r3_and_verls_tests_without_the_plugin(series, tmp_path):
+def test_patched_verl_passes_sat_r3_and_verls_tests_without_the_plugin(series, patched_report, tmp_path):
     _, _, tree = series
-    probe = _patched_python(tree, tmp_path, "-c", (
-        "import importlib.util, verl\n"
-        "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R\n"
-        "try:\n    import verl_sat\nexcept ImportError:\n    print('verl_sat not importable')\n"
-        "print(verl.__file__)\nprint(R['sat'].__module__, R['sat_gspo'].__module__)"
-    ))  # fmt: skip
-    assert probe.returncode == 0, probe.stderr
-    lines = probe.stdout.splitlines()
-    assert lines[0] == "verl_sat not importable"
-    assert lines[1] == str(tree / "verl" / "__init__.py")
-    assert lines[2] == "verl.trainer.ppo.core_algos verl.trainer.ppo.core_algos"
+    assert patched_report["blocked"]  # verl-sat is not importable there
+    assert patched_report["verl"] == str(tree / "verl" / "__init__.py")
+    assert patched_report["losses"] == ["verl.trainer.ppo.core_algos"] * 2
     run = _patched_python(tree, tmp_path, "-m", "pytest", "-q", "-p", "no:cacheprovider", *UPSTREAM_TESTS)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     summary = run.stdout.strip().splitlines()[-1]  # e.g. "37 passed, 5 warnings in 5.40s"
@@ -199,13 +160,11 @@ def test_generated_examples_pass_the_size_checks(series, tmp_path, lag):
     """Each generated example, run with ``--cfg job`` by verl's own entry point in the patched tree (no verl-sat),
     composes a config whose token budgets, parallel sizes and batch split pass verl-sat's size checks."""
     _, _, tree = series
-    (tmp_path / "block").mkdir()
-    (tmp_path / "block" / "sitecustomize.py").write_text(BLOCK_VERL_SAT)
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     (tmp_path / "bin" / "python3").chmod(0o755)
-    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{tmp_path / 'block'}", "VERL_USE_EXTERNAL_PLUGINS": "none",
-           "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "LAG": lag}  # fmt: skip
+    env = {**without_verl_sat(tmp_path / "block", tree), "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
+           "LAG": lag}  # fmt: skip
     for target, _ in SCRIPTS.values():
         run = subprocess.run(["bash", str(tree / target), "--cfg", "job"], cwd=tree, env=env, capture_output=True,
                              text=True, timeout=600)  # fmt: skip
@@ -228,17 +187,21 @@ def test_patched_python_is_formatted_and_lint_clean(series):
 
 
 def test_generation_is_deterministic(series, tmp_path):
+    """Both contributions, file by file: the same source gives the same bytes (and the CLI wrote nothing else)."""
     out, _, _ = series
-    again = write_upstream(tmp_path / "again")
-    assert [p.name for p in again] == sorted(p.name for p in out.iterdir())
-    for path in again:
-        assert path.read_bytes() == (out / path.name).read_bytes(), path.name
+    again = tmp_path / "again"
+    written = write_upstream(again)
+    assert sorted(p.relative_to(again) for p in written) == sorted(
+        p.relative_to(out) for p in out.rglob("*") if p.is_file()
+    )
+    for path in written:
+        assert path.read_bytes() == (out / path.relative_to(again)).read_bytes(), path
 
 
 @pytest.mark.parametrize("index", [1, 2, 3])  # routing replay, the trainer fix, the rollout fix
 def test_later_patches_apply_alone_to_verl_0_9_1(series, tmp_path, index):
     _, patches, _ = series
-    check = _git_apply(_verl_copy(tmp_path), "--check", str(patches[index]))
+    check = git_apply(verl_copy(tmp_path), "--check", str(patches[index]))
     assert check.returncode == 0, check.stderr
 
 

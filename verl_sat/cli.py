@@ -67,8 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     e2e = commands.add_parser("e2e", help="verl's own asynchronous trainer on this CPU for a few steps (docs/cpu.md)")
     e2e.add_argument("--workdir", default="verl_sat_work", help="prepared folder (default: verl_sat_work)")
     e2e.add_argument("--runs", default=None, help="comma-separated run names (default: all, see docs/cpu.md)")
-    up = commands.add_parser("upstream", help="write SAT and FSDP routing replay as a patch series for verl 0.9.1")
-    up.add_argument("--out", required=True, help="output folder: 0001-*.patch, 0002-*.patch and PR.md")
+    up = commands.add_parser(
+        "upstream", help="write SAT and FSDP routing replay as a patch series for verl 0.9.1 and a verl-recipe recipe"
+    )
+    up.add_argument("--out", required=True, help="output folder: verl/ (000*.patch, PR.md), verl-recipe/ (sat/, PR.md)")
     up.add_argument("--repo", default=None, help="the verl-sat checkout (default: the one this package runs from)")
     args = parser.parse_args(argv)
     if args.command == "doctor":
@@ -266,7 +268,10 @@ def _upstream(args: argparse.Namespace) -> int:
         return 2
     for path in written:
         print(path)
-    print(f"apply in a verl v{_verl_version()} checkout: git am --keep-non-patch {args.out}/*.patch (see PR.md)")
+    print(
+        f"in a verl v{_verl_version()} checkout: git am --keep-non-patch {args.out}/verl/*.patch; in a verl-recipe "
+        f"checkout: cp -r {args.out}/verl-recipe/sat . (see each PR.md)"
+    )
     return 0
 
 

@@ -196,17 +196,21 @@ def micro_batch_warnings(actor: DictConfig, policy_loss, data: DictConfig | None
     quantile only at ``m = 1``. Under verl's dynamic batching a micro-batch holds ``ppo_max_token_len_per_gpu`` times
     the sequence-parallel size tokens (verl's ``prepare_micro_batches``): once responses reach
     ``data.max_response_length`` that is ``floor(tokens / (max_prompt_length + max_response_length))`` sequences, the
-    long-CoT case. Per-token scores (``granularity=token``) are not affected."""
-    sat = getattr(policy_loss, "sat", None)
-    if policy_loss.loss_mode != "sat_gspo" or sat is None or sat.granularity == "token":
+    long-CoT case. Per-token scores (``granularity=token``) are not affected. The SAT keys are read and named as the
+    loss reads them (``verl_sat.config.sat_params_of``, ``SAT_KEY_FORMAT``)."""
+    if policy_loss.loss_mode != "sat_gspo":
+        return []
+    from verl_sat.config import SAT_KEY_FORMAT, sat_params_of
+
+    sat = sat_params_of(policy_loss, policy_loss.loss_mode)
+    if sat.granularity == "token":
         return []
     if sat.granularity == "sequence_uniform" and sat.quantile_method == "linear":
         needed = 2  # the interpolated quantile lies below the top sequence from two on
     else:
         needed = math.ceil(1 / (1 - Fraction(repr(sat.quantile))))
-    from verl_sat.config import SAT_KEY_FORMAT
-
     token = SAT_KEY_FORMAT.format("granularity") + "=token"
+    quantile = SAT_KEY_FORMAT.format("quantile") + f"={sat.quantile}"
     if actor.get("use_dynamic_bsz", False):
         budget = actor.get("ppo_max_token_len_per_gpu")
         longest = 0 if data is None else (data.get("max_prompt_length") or 0) + (data.get("max_response_length") or 0)
@@ -220,7 +224,7 @@ def micro_batch_warnings(actor: DictConfig, policy_loss, data: DictConfig | None
             f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}: a micro-batch of full-length sequences "
             f"(data.max_prompt_length + data.max_response_length = {longest} tokens, {budget * parallel} tokens per "
             f"micro-batch) holds {micro}, so once responses grow to the limit SAT-GSPO's per-micro-batch sequence "
-            f"quantile (policy_loss.sat.quantile={sat.quantile}) cannot gate: the top sequence holds more than "
+            f"quantile ({quantile}) cannot gate: the top sequence holds more than "
             f"1 - quantile of the tokens (needs {needed} or more sequences). Set {token} (per-token scores gate "
             f"within one sequence), or raise the budget to {math.ceil(needed * longest / parallel)} tokens per GPU. "
             "actor/sat_structurally_empty_frac shows it per step."
@@ -231,7 +235,7 @@ def micro_batch_warnings(actor: DictConfig, policy_loss, data: DictConfig | None
     effect = "nothing: SAT-GSPO is exactly GSPO" if micro == 1 else "almost nothing"
     return [
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}: SAT-GSPO takes its quantile over the "
-        f"sequences of one micro-batch, so with {micro} sequence(s) and policy_loss.sat.quantile={sat.quantile} it "
+        f"sequences of one micro-batch, so with {micro} sequence(s) and {quantile} it "
         f"gates {effect}. Set {token} (per-token scores), use verl's dynamic batching "
         "(actor_rollout_ref.actor.use_dynamic_bsz=true with actor_rollout_ref.actor.ppo_max_token_len_per_gpu=TOKENS) "
         f"or set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu >= {needed}."

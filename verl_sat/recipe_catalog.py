@@ -73,10 +73,14 @@ def describe(group: str) -> dict[str, str]:
     entries = {}
     for path in sorted(files("verl_sat.recipes").joinpath(group).iterdir(), key=lambda p: p.name):
         if path.name.endswith(".yaml"):
-            lines = [line for line in path.read_text().splitlines() if line.startswith("# ")]
-            summary = next((line[2:] for line in lines if not line.startswith("# @package")), "")
-            entries[path.name.removesuffix(".yaml")] = summary
+            entries[path.name.removesuffix(".yaml")] = summary(path.read_text())
     return entries
+
+
+def summary(text: str) -> str:
+    """A recipe piece's first comment line after its ``# @package`` line."""
+    lines = [line for line in text.splitlines() if line.startswith("# ")]
+    return next((line[2:] for line in lines if not line.startswith("# @package")), "")
 
 
 def format_catalog() -> str:

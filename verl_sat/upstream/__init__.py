@@ -11,9 +11,13 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""``verl-sat upstream --out DIR``: SAT and FSDP routing replay as a pull request to verl 0.9.1, generated from this
-package's own source (``series`` builds the commits; ``sat_patch``, ``r3_patch``, ``docs_page`` and ``examples``
-make their files; ``trainer_fix_patch`` and ``rollout_fix_patch`` fix verl bugs; ``pr_text`` writes ``PR.md``)."""
+"""``verl-sat upstream --out DIR``: two contributions, generated from this package's own source.
+
+- ``DIR/verl/``: SAT and FSDP routing replay as a pull request to verl 0.9.1 (``series`` builds the commits;
+  ``sat_patch``, ``r3_patch``, ``docs_page`` and ``examples`` make their files; ``trainer_fix_patch`` and
+  ``rollout_fix_patch`` fix verl bugs; ``pr_text`` writes ``PR.md``);
+- ``DIR/verl-recipe/``: the ``sat/`` recipe for verl-project/verl-recipe and its ``PR.md`` (``recipe``).
+"""
 
 from pathlib import Path
 
@@ -25,9 +29,11 @@ from verl_sat.upstream.docs_page import docs_page
 from verl_sat.upstream.edit import UpstreamDriftError
 from verl_sat.upstream.examples import example_scripts
 from verl_sat.upstream.pr_text import pr_markdown
+from verl_sat.upstream.recipe import write_recipe
 from verl_sat.upstream.series import Patch, write_series
 
 TEMPLATES = Path(__file__).parent / "templates"
+VERL_DIR, RECIPE_DIR = "verl", "verl-recipe"  # under --out: the pull request to verl, the one to verl-recipe
 SAT_TEST = "tests/trainer/ppo/test_sat_policy_loss_on_cpu.py"
 R3_TEST = "tests/workers/engine/test_fsdp_router_replay_on_cpu.py"
 LOGGING_TEST = trainer_fix_patch.LOGGING_TEST
@@ -109,9 +115,11 @@ def source_checkout() -> Path:
 
 
 def write_upstream(out: Path, repo: Path | None = None) -> list[Path]:
-    """Write the patch series and ``PR.md`` into ``out``; return the files written."""
+    """Write the patch series and its ``PR.md`` into ``out/verl``, the ``sat/`` recipe and its ``PR.md`` into
+    ``out/verl-recipe``; return the files written."""
     repo = source_checkout() if repo is None else repo
-    written = write_series(out, repo, PATCHES)
-    pr = out / "PR.md"
+    written = write_series(out / VERL_DIR, repo, PATCHES)
+    pr = out / VERL_DIR / "PR.md"
     pr.write_text(pr_markdown(repo, written, [patch.subject for patch in PATCHES]))
-    return [path for path, _ in written] + [pr]
+    core_pr = f'(patches "{PATCHES[0].subject}" and "{PATCHES[1].subject}")'
+    return [path for path, _ in written] + [pr] + write_recipe(out / RECIPE_DIR, repo, core_pr)

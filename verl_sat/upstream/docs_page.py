@@ -87,7 +87,7 @@ def docs_page(repo: Path) -> str:
             section = HOW_TO_ENABLE.format(quantile_key=UPSTREAM_KEY.format("quantile"),
                                            granularity_key=UPSTREAM_KEY.format("granularity")) + "\n"  # fmt: skip
         elif section.startswith("## Keys"):
-            section = _keys_section() + "\n"
+            section = keys_section() + "\n"
         paragraphs = [p for p in section.split("\n\n") if not any(m in p for m in DROPPED_PARAGRAPH_MARKERS)]
         kept.append("\n\n".join(paragraphs))
     page = "".join(kept).rstrip("\n") + "\n"
@@ -99,7 +99,8 @@ def docs_page(repo: Path) -> str:
     return page
 
 
-def _keys_section() -> str:
+def keys_section() -> str:
+    """The page's key table: every ``sat_*`` key of verl's ``PolicyLossConfig``, its default and meaning."""
     docs = param_docs()
     rows = "".join(
         f"| `{FLAT_PREFIX}{f.name}` | `{f.default}` | {docs[f.name][1].replace('|', chr(92) + '|')} |\n"

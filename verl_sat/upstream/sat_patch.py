@@ -156,9 +156,10 @@ def _core_algos(text: str) -> str:
     return insert_before(text, '@register_policy_loss("sapo")', losses + "\n\n\n", CORE_ALGOS)
 
 
-def _actor_config(text: str) -> str:
+def flat_arg_docs() -> str:
+    """The ``Args:`` lines of the flat ``sat_*`` keys, indented for a config dataclass's docstring."""
     docs = param_docs()
-    arg_lines = "".join(
+    return "".join(
         textwrap.fill(
             f"(SAT) {docs[f.name][1]}",
             WIDTH,
@@ -169,9 +170,22 @@ def _actor_config(text: str) -> str:
         + "\n"
         for f in fields(SatParams)
     )
-    field_lines = "".join(
+
+
+def flat_fields() -> str:
+    """One dataclass field line per ``SatParams`` field: ``sat_<name>: <type> = <default>``."""
+    return "".join(
         f"    {FLAT_PREFIX}{f.name}: {f.type.__name__} = {_python_literal(_default(f))}\n" for f in fields(SatParams)
     )
+
+
+def flat_sat_params_of() -> str:
+    """``SAT_KEY_FORMAT`` and ``sat_params_of`` for the flat keys (two blank lines before them)."""
+    return UPSTREAM_SAT_PARAMS_OF.format(key=UPSTREAM_KEY, prefix=FLAT_PREFIX)
+
+
+def _actor_config(text: str) -> str:
+    arg_lines, field_lines = flat_arg_docs(), flat_fields()
     dataclass_import = "from dataclasses import dataclass, field\n"
     loss_modes = "'dro', 'cispo', and 'bypass_mode'."
     dro_doc = (
@@ -189,8 +203,7 @@ def _actor_config(text: str) -> str:
     text = insert_after(text, dro_doc + "\n", arg_lines, ACTOR_CONFIG)
     text = insert_after(text, "    dro_beta: Optional[float] = None\n", field_lines, ACTOR_CONFIG)
     text = insert_after(text, last_field, POST_INIT, ACTOR_CONFIG)
-    adapter = UPSTREAM_SAT_PARAMS_OF.format(key=UPSTREAM_KEY, prefix=FLAT_PREFIX)
-    return insert_before(text, "\n\n@dataclass\nclass ActorConfig(BaseConfig):", adapter, ACTOR_CONFIG)
+    return insert_before(text, "\n\n@dataclass\nclass ActorConfig(BaseConfig):", flat_sat_params_of(), ACTOR_CONFIG)
 
 
 def _actor_yaml(text: str) -> str:

@@ -11,7 +11,8 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""``verl-sat upstream --out DIR``: the patch series against verl 0.9.1 and its ``PR.md``, built with git.
+"""``verl-sat upstream --out DIR``'s first contribution, ``DIR/verl/``: the patch series against verl 0.9.1 and its
+``PR.md``, built with git.
 
 A scratch repository holds verl 0.9.1's files that the series touches (from the installed wheel) as its base commit;
 each patch is one commit whose files come from verl-sat's own source; ``git format-patch`` writes the series. Authors,
