@@ -19,17 +19,19 @@ paper-lag-8 trainer step holds 8 of them), without evaluation or checkpoints, in
 resident memory is its own. Printed per lag: optimizer steps/s, trainer tokens/s, seconds of generation per batch,
 peak RSS, and the cost of the staleness attribution (the no-grad forward of the sampling version's fp32 weights,
 timed inside every step) as a share of the step. Then ``gspo``, ``sat_gspo`` and every remedy row at paper lag 8, the
-same way, one after another: seconds per optimizer step and the ratio to ``gspo`` (the rows in decoupled mode pay
-verl's extra ``old_log_prob`` forward per batch). Prepares ``--workdir`` first if needed.
+same way, in ``--rounds`` rounds that each run every row once (so that a slow spell of the machine hits every row):
+seconds per optimizer step, its median over the rounds with min..max, and the median's ratio to ``gspo``'s (the rows
+in decoupled mode pay verl's extra ``old_log_prob`` forward per batch). Prepares ``--workdir`` first if needed.
 
     python benchmarks/bench_embedded.py [--workdir verl_sat_work] [--optimizer-steps 48] [--device cpu|cuda]
-        [--no-remedies]
+        [--rounds 3] [--no-remedies]
 """
 
 import argparse
 import json
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -80,6 +82,7 @@ def main() -> None:
     parser.add_argument("--optimizer-steps", type=int, default=48)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-remedies", action="store_true", help="skip the remedy rows' table")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the remedy rows (each row once per round)")
     parser.add_argument("--one", nargs=2, metavar=("RECIPE", "LAG"), help=argparse.SUPPRESS)  # a child process
     args = parser.parse_args()
     if args.one:
@@ -112,13 +115,16 @@ def main() -> None:
     )
     if args.no_remedies:
         return
-    remedies = [measure(recipe, REMEDY_LAG) for recipe in REMEDY_TABLE]
-    base = remedies[0]["loop_s"]
-    print(f"\nremedy rows, {LAGS[REMEDY_LAG]}, {args.optimizer_steps} optimizer steps each, one after another")
-    print(f"{'recipe':<16} {'s / opt step':>12} {'x gspo':>7} {'gen s/batch':>11}")
-    for r in remedies:
-        print(f"{r['recipe']:<16} {r['loop_s'] / args.optimizer_steps:>12.3f} {r['loop_s'] / base:>7.2f} "
-              f"{r['gen_s_per_batch']:>11.2f}")  # fmt: skip
+    rounds = [[measure(recipe, REMEDY_LAG) for recipe in REMEDY_TABLE] for _ in range(args.rounds)]
+    seconds = {
+        recipe: [run[i]["loop_s"] / args.optimizer_steps for run in rounds] for i, recipe in enumerate(REMEDY_TABLE)
+    }
+    base = statistics.median(seconds[REMEDY_TABLE[0]])
+    print(f"\nremedy rows, {LAGS[REMEDY_LAG]}, {args.optimizer_steps} optimizer steps each, {args.rounds} rounds")
+    print(f"{'recipe':<16} {'s / opt step: median (min..max)':>31} {'x gspo':>7}")
+    for recipe, values in seconds.items():
+        spread = f"{statistics.median(values):.3f} ({min(values):.3f}..{max(values):.3f})"
+        print(f"{recipe:<16} {spread:>31} {statistics.median(values) / base:>7.2f}")
 
 
 if __name__ == "__main__":
