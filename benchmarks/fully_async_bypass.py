@@ -19,11 +19,13 @@ rollout's log-probs as the old policy; ``+recipe=sat_gspo``: the same plus SAT) 
 (``+radii=gspo``: 3e-4 / 4e-4, the issue's), at the paper's lag (``+lag=lag8``: 8 optimizer steps per weight
 broadcast), through ``python -m verl_sat.main --config-name
 fully_async_ppo_trainer ... trainer.device=cpu +cpu=e2e`` (verl's rollouter, message queue and trainer, vLLM's CPU
-build), with the sizes of ``make e2e``'s fully-async run. Writes, per trainer step and run, verl's
-``actor/pg_clipfrac``, the reward, the mismatch d_pi (Eq. 52), SAT's diagnostics and the staleness counts to
-``OUT/steps.csv``, the side-by-side plot ``OUT/fully_async_bypass.png``, and prints a markdown table.
+build), with the sizes of ``make e2e``'s fully-async run. verl's fully-async trainer logs once per weight version,
+each metric aggregated over the version's 8 trainer steps (its ``MetricsAggregator``), keyed by the version's last
+trainer step. Writes, per logged version and run, verl's ``actor/pg_clipfrac``, the reward, the mismatch d_pi
+(Eq. 52), SAT's diagnostics and the staleness counts to ``OUT/steps.csv``, the side-by-side plot
+``OUT/fully_async_bypass.png``, and prints a markdown table.
 
-    python benchmarks/fully_async_bypass.py --workdir verl_sat_work --steps 48 --out docs/images/fully_async_bypass
+    python benchmarks/fully_async_bypass.py --workdir verl_sat_work --steps 480 --out docs/images/fully_async_bypass
 """
 
 import argparse
@@ -68,8 +70,9 @@ def _mean(values: list[float]) -> str:
 
 
 def table(results: dict[str, dict]) -> str:
-    """Per run: steps, wall time, and the mean of each column over the first and the second half of the steps."""
-    lines = ["| run | steps | wall time | metric | first half | second half | last step |", "|---" * 7 + "|"]
+    """Per run: logged versions, wall time, and the mean of each column over the first and the second half of the
+    logged versions, and its last value."""
+    lines = ["| run | versions logged | wall time | metric | first half | second half | last |", "|---" * 7 + "|"]
     for name, result in results.items():
         steps = [result["steps"][s] for s in sorted(result["steps"])]
         half = len(steps) // 2
@@ -99,7 +102,7 @@ def plot(path: Path, results: dict[str, dict]) -> None:
             points = [(step, m[key]) for step, m in sorted(result["steps"].items()) if key in m]
             if points:
                 ax.plot(*zip(*points, strict=True), marker="o", markersize=2, label=name)
-        ax.set(title=title, xlabel="trainer step (one optimizer step)")
+        ax.set(title=title, xlabel="trainer step (= optimizer step; a point per weight version)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle("verl fully-async trainer on the CPU, paper lag 8: GSPO in bypass mode against SAT-GSPO")
@@ -111,7 +114,7 @@ def plot(path: Path, results: dict[str, dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", default="verl_sat_work", type=Path)
-    parser.add_argument("--steps", default=48, type=int, help="trainer steps per run (one optimizer step each)")
+    parser.add_argument("--steps", default=480, type=int, help="trainer steps per run (one optimizer step each)")
     parser.add_argument(
         "--out", default=Path("fully_async_bypass"), type=Path, help="folder for steps.csv and the plot"
     )

@@ -72,8 +72,9 @@ RESUMED = "Resuming from"  # what verl's trainer logs when it loads a checkpoint
 class E2ERun:
     """One verl run: its trainer, recipe arguments, trainer steps, whether a second invocation resumes it for one
     more step, the metrics it must log, and the staleness it must show from its second step on, in weight versions
-    (the v1 trainers' ``training/off_policy/trajectory_staleness``; one version = the lag's optimizer steps), and the
-    bound on every step's mismatch d_pi it must stay within, if any."""
+    (the v1 trainers' ``training/off_policy/trajectory_staleness``; one version = the lag's optimizer steps; on the
+    fully-async trainer only lag 1's, from verl's version counts; ``None``: measured, not checked), and the bound on
+    every step's mismatch d_pi it must stay within, if any."""
 
     trainer: str
     name: str
@@ -119,8 +120,7 @@ RUNS = (
     E2ERun("colocate_async", "sat_gspo_r3-lag1", ("+recipe=sat_gspo_r3", "+lag=lag1", "r3=fsdp", *COLOCATE_ASYNC),
            2, False, (*SAT_METRICS, *R3_METRICS, *STALENESS_METRICS, *REWARD_METRICS, *MISMATCH_METRICS)),
     E2ERun("fully_async", "sat_gspo_r3-lag1", (*FULLY_ASYNC, "+recipe=sat_gspo_r3", "+lag=lag1", "r3=fsdp"), 2, False,
-           (*SAT_METRICS, *R3_METRICS, *FULLY_ASYNC_STALENESS_METRICS, *REWARD_METRICS, *MISMATCH_METRICS),
-           staleness=None),
+           (*SAT_METRICS, *R3_METRICS, *FULLY_ASYNC_STALENESS_METRICS, *REWARD_METRICS, *MISMATCH_METRICS)),
 )  # fmt: skip
 FULLY_ASYNC_PROMPTS_PER_STEP = 4  # actor.ppo_mini_batch_size above
 
@@ -194,7 +194,7 @@ def _run(cmd: list[str], log_path: Path, metrics_path: Path, total: int, label: 
         with tqdm(total=total, desc=label, unit="step") as bar:
             while proc.poll() is None:
                 time.sleep(2)
-                done = min(total, len(read_metrics(metrics_path)))
+                done = min(total, max(read_metrics(metrics_path), default=0))  # verl may log every n-th step only
                 if done != bar.n:
                     bar.update(done - bar.n)
         peak.stop()
@@ -254,10 +254,11 @@ def check_staleness(run: E2ERun, steps: dict[int, dict], folder: Path, first_ste
     versions old, except the ones verl resumed across a broadcast (an abort at the weight sync, verl's partial
     rollout): verl dates those by the newer version, and counts them in ``trajectory_spans`` (2 versions). The first
     step of a resumed invocation is exempt too: verl re-submits the prompts that were in flight at the save, and the
-    restored weights generate them anew."""
+    restored weights generate them anew. ``run.staleness`` ``None``: measured, not checked."""
+    if run.staleness is None:
+        return
     if run.trainer == "fully_async":
         _check_fully_async_staleness(run, steps, folder)
-    if run.staleness is None:
         return
     for step in sorted(set(steps) - first_steps):
         metrics = steps[step]
