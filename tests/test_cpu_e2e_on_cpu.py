@@ -18,6 +18,7 @@ verl's shared-memory transfer to vLLM, verl's transfer queue, replay buffer, age
 (the second on samples of the first update's weights) and verl's checkpoints. What it must show is read from verl's
 own metrics. The resume from a checkpoint runs in ``make e2e`` (two vLLM start-ups would double this test's time)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -105,6 +106,8 @@ def test_staleness_checks_accept_the_lag_and_name_a_departure(tmp_path):
         check_staleness(fully_async, _fully_async([4, 20], [0, 1]), tmp_path)  # stale before any broadcast
     with pytest.raises(E2EFailed, match=r"one version per step"):
         check_staleness(fully_async, _fully_async([0, 16], [0, 2]), tmp_path)
+    # staleness None (a benchmark at another lag, e.g. lag 8's 8 steps per logged version): measured, not checked
+    check_staleness(dataclasses.replace(fully_async, staleness=None), _fully_async([0, 112, 240], [0, 1, 2]), tmp_path)
 
 
 def test_a_sat_run_that_never_gated_fails_naming_the_structure(tmp_path):
