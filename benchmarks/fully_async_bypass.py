@@ -96,12 +96,13 @@ def plot(path: Path, results: dict[str, dict]) -> None:
     panels = ((CLIP, "actor/pg_clipfrac"), (REWARD, "reward (critic/score/mean)"),
               (MISMATCH_METRIC, "d̄π = mean |log π - log μ|"), (SAT_METRICS[0], "SAT gate rate"),
               (SAT_METRICS[2], "SAT intercepted fraction"))  # fmt: skip
+    colors = {name: f"C{i}" for i, name in enumerate(results)}  # a run keeps its colour in every panel
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
     for ax, (key, title) in zip(axes, panels, strict=True):
         for name, result in results.items():
             points = [(step, m[key]) for step, m in sorted(result["steps"].items()) if key in m]
             if points:
-                ax.plot(*zip(*points, strict=True), marker="o", markersize=2, label=name)
+                ax.plot(*zip(*points, strict=True), marker="o", markersize=2, label=name, color=colors[name])
         ax.set(title=title, xlabel="trainer step (= optimizer step; a point per weight version)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
