@@ -343,12 +343,12 @@ def test_entry_point_composes_a_custom_config_path(tmp_path):
     assert cfg.trainer.project_name == "my_project"
     assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "sat_gspo"
     assert check_config(cfg) == []
-    proc = _entry("-cp", str(tmp_path / "conf"), *args, "--cfg", "job", cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert OmegaConf.create(proc.stdout).trainer.project_name == "my_project"
-    proc = _entry("-cd", str(tmp_path / "conf"), *args, "--cfg", "job", cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert OmegaConf.create(proc.stdout).trainer.project_name == "my_project"
+    with ThreadPoolExecutor(max_workers=2) as pool:  # --config-path and --config-dir, two at a time
+        procs = list(pool.map(lambda flag: _entry(flag, str(tmp_path / "conf"), *args, "--cfg", "job",
+                                                  cwd=str(tmp_path)), ("-cp", "-cd")))  # fmt: skip
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert OmegaConf.create(proc.stdout).trainer.project_name == "my_project"
 
 
 def test_compose_equals_what_verl_prints():
@@ -542,39 +542,45 @@ def test_wheel_ships_the_recipes(tmp_path):
         assert f"verl_sat/upstream/templates/{template}" in names
 
 
-@pytest.mark.parametrize(
-    "script,env,loss_mode,sync_step,batch",
-    [
-        ("run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh", {}, "sat_gspo", 8, 2048),
-        ("run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh", {"RECIPE": "gspo_tis_r3", "LAG": "1"}, "gspo", 1, 256),
-        ("run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh", {"LAG": "sync"}, "sat_gspo", None, 256),
-        ("run_qwen2_5_7b_sat_grpo_fsdp.sh", {}, "sat", 1, 64),
-        ("run_qwen2_5_7b_sat_grpo_fsdp.sh", {"RECIPE": "dppo", "LAG": "8"}, "dppo_tv", 8, 512),
-        ("run_qwen2_5_7b_sat_grpo_fsdp.sh", {"LAG": "sync"}, "sat", None, 64),
-    ],
-)
-def test_example_scripts_compose(script, env, loss_mode, sync_step, batch, tmp_path):
+EXAMPLE_CASES = [  # script, environment, loss_mode, parameter_sync_step (None: sync), train_batch_size
+    ("run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh", {}, "sat_gspo", 8, 2048),
+    ("run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh", {"RECIPE": "gspo_tis_r3", "LAG": "1"}, "gspo", 1, 256),
+    ("run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh", {"LAG": "sync"}, "sat_gspo", None, 256),
+    ("run_qwen2_5_7b_sat_grpo_fsdp.sh", {}, "sat", 1, 64),
+    ("run_qwen2_5_7b_sat_grpo_fsdp.sh", {"RECIPE": "dppo", "LAG": "8"}, "dppo_tv", 8, 512),
+    ("run_qwen2_5_7b_sat_grpo_fsdp.sh", {"LAG": "sync"}, "sat", None, 64),
+]
+
+
+def test_example_scripts_compose(tmp_path):
     """Every shipped example at every lag it offers (1, 8, sync): every override is a key verl 0.9.1 knows and the
     entry point's checks pass under ``--cfg job``, the size checks included (token budgets, parallel sizes, batch
-    split); the paper's optimizer step (prompts per optimizer step) is kept at every lag."""
+    split); the paper's optimizer step (prompts per optimizer step) is kept at every lag. Two scripts at a time."""
     root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True).stdout.strip()
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}", **env}
-    proc = subprocess.run(
-        ["bash", f"{root}/examples/{script}", "--cfg", "job"], capture_output=True, text=True, env=env, cwd=tmp_path
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
-    # separate_async keeps the lag's gap only while generation outpaces training, and says so; nothing else warns
-    assert len(warnings) == (sync_step is not None)
-    assert all("only while generation outpaces training" in line for line in warnings)
-    printed = OmegaConf.create(proc.stdout)
-    assert printed.actor_rollout_ref.actor.policy_loss.loss_mode == loss_mode
-    if sync_step is None:  # lag sync: verl's synchronous v1 mode
-        assert printed.trainer.v1.trainer_mode == "sync"
-    else:
-        assert printed.trainer.v1.separate_async.parameter_sync_step == sync_step
-    assert printed.data.train_batch_size == batch
-    assert printed.actor_rollout_ref.actor.use_dynamic_bsz
+    path = f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"
+
+    def run(index):
+        script, env = EXAMPLE_CASES[index][:2]
+        (tmp_path / str(index)).mkdir()
+        return subprocess.run(["bash", f"{root}/examples/{script}", "--cfg", "job"], capture_output=True, text=True,
+                              env={**os.environ, "PATH": path, **env}, cwd=tmp_path / str(index))  # fmt: skip
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        procs = list(pool.map(run, range(len(EXAMPLE_CASES))))
+    for (script, env, loss_mode, sync_step, batch), proc in zip(EXAMPLE_CASES, procs, strict=True):
+        assert proc.returncode == 0, f"{script} {env}: {proc.stderr[-2000:]}"
+        warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
+        # separate_async keeps the lag's gap only while generation outpaces training, and says so; nothing else warns
+        assert len(warnings) == (sync_step is not None), (script, env)
+        assert all("only while generation outpaces training" in line for line in warnings)
+        printed = OmegaConf.create(proc.stdout)
+        assert printed.actor_rollout_ref.actor.policy_loss.loss_mode == loss_mode
+        if sync_step is None:  # lag sync: verl's synchronous v1 mode
+            assert printed.trainer.v1.trainer_mode == "sync"
+        else:
+            assert printed.trainer.v1.separate_async.parameter_sync_step == sync_step
+        assert printed.data.train_batch_size == batch
+        assert printed.actor_rollout_ref.actor.use_dynamic_bsz
 
 
 # ---- the three asynchronous trainers -------------------------------------------------------------------------------
@@ -637,33 +643,41 @@ def test_lag_preset_is_written_in_the_selected_trainers_keys(trainer, lag):
             assert actor.ppo_mini_batch_size == 64 // sync_steps
 
 
-@pytest.mark.parametrize("trainer", [*TRAINER_ARGS, "fully_async_megatron"])
-def test_entry_point_cfg_job_shows_the_trainers_own_lag_keys(trainer, tmp_path):
-    megatron = trainer == "fully_async_megatron"
-    if megatron:  # verl's own Megatron R3 keys, composed away from a verl checkout (its searchpath is CWD-relative)
-        trainer, args = "fully_async", (*FULLY_ASYNC_ARGS[2:], "--config-name", "fully_async_ppo_megatron_trainer")
-    else:
-        args = (*TRAINER_ARGS[trainer], "r3=fsdp")
-    proc = _entry(*args, "+recipe=sat_gspo_r3", "+lag=lag8", "--cfg", "job", cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    printed = OmegaConf.create(proc.stdout)
-    assert printed.actor_rollout_ref.actor.policy_loss.loss_mode == "sat_gspo"
-    engine = printed.actor_rollout_ref.actor.megatron if megatron else printed.actor_rollout_ref.actor.fsdp_config
-    assert engine.router_replay.mode == "R3" and printed.actor_rollout_ref.rollout.enable_rollout_routing_replay
-    assert "is not read by" not in proc.stderr
-    if trainer == "fully_async":
-        assert (
-            printed.async_training.trigger_parameter_sync_step == 8 and printed.async_training.staleness_threshold == 1
-        )
-        assert printed.trainer.v1.trainer_mode == "sync"  # verl's default, untouched
-        assert "gives the gap 8..15 optimizer steps only while the rollouter keeps its budget queued" in proc.stderr
-    elif trainer == "colocate_async":
-        assert printed.trainer.v1.trainer_mode == "colocate_async"
-        assert printed.trainer.v1.sampler.max_off_policy_strategy == "wait"
-        assert printed.trainer.v1.separate_async.parameter_sync_step == 4  # verl's default, untouched
-    else:
-        assert printed.trainer.v1.trainer_mode == "separate_async"
-        assert printed.trainer.v1.separate_async.parameter_sync_step == 8
+def test_entry_point_cfg_job_shows_the_trainers_own_lag_keys(tmp_path):
+    """Each trainer (and fully-async on Megatron) gets its own lag keys from ``+lag=lag8``; the four entry points run
+    two at a time."""
+
+    def run(trainer):
+        megatron = trainer == "fully_async_megatron"
+        if megatron:  # verl's own Megatron R3 keys, composed away from a verl checkout (its searchpath is CWD-relative)
+            args = (*FULLY_ASYNC_ARGS[2:], "--config-name", "fully_async_ppo_megatron_trainer")
+        else:
+            args = (*TRAINER_ARGS[trainer], "r3=fsdp")
+        (tmp_path / trainer).mkdir()
+        return trainer, _entry(*args, "+recipe=sat_gspo_r3", "+lag=lag8", "--cfg", "job", cwd=str(tmp_path / trainer))
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(run, [*TRAINER_ARGS, "fully_async_megatron"]))
+    for trainer, proc in results:
+        assert proc.returncode == 0, f"{trainer}: {proc.stderr[-3000:]}"
+        printed = OmegaConf.create(proc.stdout)
+        assert printed.actor_rollout_ref.actor.policy_loss.loss_mode == "sat_gspo"
+        megatron = trainer == "fully_async_megatron"
+        engine = printed.actor_rollout_ref.actor.megatron if megatron else printed.actor_rollout_ref.actor.fsdp_config
+        assert engine.router_replay.mode == "R3" and printed.actor_rollout_ref.rollout.enable_rollout_routing_replay
+        assert "is not read by" not in proc.stderr
+        if trainer.startswith("fully_async"):
+            assert printed.async_training.trigger_parameter_sync_step == 8
+            assert printed.async_training.staleness_threshold == 1
+            assert printed.trainer.v1.trainer_mode == "sync"  # verl's default, untouched
+            assert "gives the gap 8..15 optimizer steps only while the rollouter keeps its budget queued" in proc.stderr
+        elif trainer == "colocate_async":
+            assert printed.trainer.v1.trainer_mode == "colocate_async"
+            assert printed.trainer.v1.sampler.max_off_policy_strategy == "wait"
+            assert printed.trainer.v1.separate_async.parameter_sync_step == 4  # verl's default, untouched
+        else:
+            assert printed.trainer.v1.trainer_mode == "separate_async"
+            assert printed.trainer.v1.separate_async.parameter_sync_step == 8
 
 
 def test_a_key_the_selected_trainer_does_not_read_is_named():

@@ -46,7 +46,7 @@ TINY_RUN = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_r
 
 @pytest.fixture(scope="module")
 def tiny_sweep(tiny_workdir):
-    out = sweep(tiny_workdir, ["grpo", "sat_gspo"], [0, 1, "fixed2"], [0, 1], TINY_RUN, name="tiny", jobs=2,
+    out = sweep(tiny_workdir, ["grpo", "sat_gspo"], [1, "fixed2"], [0, 1], TINY_RUN, name="tiny", jobs=2,
                 progress=False, store=tiny_workdir / "store")  # fmt: skip
     return tiny_workdir, out
 
@@ -55,10 +55,9 @@ def test_tiny_sweep_writes_table_and_plots(tiny_sweep):
     workdir, out = tiny_sweep
     results = json.loads((out / "results.json").read_text())
     assert sorted((r["recipe"], r["lag_label"], r["lag_regime"], r["seeds"]) for r in results["rows"]) == [
-        ("grpo", "fixed2", "fixed", 2), ("grpo", "lag0", "sync", 2), ("grpo", "lag1", "paper", 2),
-        ("sat_gspo", "fixed2", "fixed", 2), ("sat_gspo", "lag0", "sync", 2),
+        ("grpo", "fixed2", "fixed", 2), ("grpo", "lag1", "paper", 2), ("sat_gspo", "fixed2", "fixed", 2),
         ("sat_gspo", "lag1", "paper", 2)]  # fmt: skip
-    assert "--recipes grpo,sat_gspo --lags 0,1,fixed2 --seeds 0,1" in results["command"][0]
+    assert "--recipes grpo,sat_gspo --lags 1,fixed2 --seeds 0,1" in results["command"][0]
     for row in results["rows"]:  # the row is the aggregate of the cells' own summaries
         cells = [json.loads((workdir / "runs" / "tiny" / f"{row['recipe']}-{row['lag_label']}-s{s}" / "summary.json")
                             .read_text()) for s in (0, 1)]  # fmt: skip
@@ -81,8 +80,8 @@ def test_tiny_sweep_writes_table_and_plots(tiny_sweep):
     assert "## fixed2 (fixed lag" in table
     assert "Paper, Table 1" in table and "| sat_gspo | 34.17 | 32.71 |" in table
     with (out / "results.csv").open() as f:
-        assert len(list(csv.DictReader(f))) == 6
-    for plot in ("curves_lag0.png", "curves_lag1.png", "curves_fixed2.png", "mismatch.png", "attribution.png"):
+        assert len(list(csv.DictReader(f))) == 4
+    for plot in ("curves_lag1.png", "curves_fixed2.png", "mismatch.png", "attribution.png"):
         assert (out / plot).stat().st_size > 10_000
     lag1 = [json.loads(line) for line in (workdir / "runs" / "tiny" / "sat_gspo-lag1-s1" / "metrics.jsonl").open()]
     assert [r.get("rollout/version_gap") for r in lag1] == [None, 0, 1] and "actor/sat_gate_rate" in lag1[-1]
@@ -101,7 +100,7 @@ def test_rerun_reuses_finished_cells(tiny_sweep, monkeypatch):
     (workdir / "runs" / "tiny" / "grpo-lag1-s0" / "summary.json").unlink()  # as if interrupted before the end
     (workdir / "store" / "grpo-lag1-s0.json").unlink()
     before = (out / "results.json").read_text()
-    sweep(workdir, ["grpo", "sat_gspo"], [0, 1, "fixed2"], [0, 1], TINY_RUN, name="tiny", jobs=2, progress=False,
+    sweep(workdir, ["grpo", "sat_gspo"], [1, "fixed2"], [0, 1], TINY_RUN, name="tiny", jobs=2, progress=False,
           store=workdir / "store")  # fmt: skip
     assert len(calls) == 1 and "trainer.experiment_name=tiny/grpo-lag1-s0" in calls[0]
     assert (out / "results.json").read_text() == before  # the cell resumed from its final checkpoint, unchanged
@@ -116,7 +115,7 @@ def test_store_carries_cells_to_another_sweep(tiny_sweep, monkeypatch):
         raise AssertionError(f"ran {command}")
 
     monkeypatch.setattr(sweep_module.subprocess, "run", no_run)
-    again = sweep(workdir, ["grpo", "sat_gspo"], [0, 1, "fixed2"], [0, 1], TINY_RUN, name="elsewhere",
+    again = sweep(workdir, ["grpo", "sat_gspo"], [1, "fixed2"], [0, 1], TINY_RUN, name="elsewhere",
                   progress=False, store=workdir / "store")  # fmt: skip
     rows = json.loads((again / "results.json").read_text())["rows"]
     assert rows == json.loads((out / "results.json").read_text())["rows"]
