@@ -154,6 +154,8 @@ def test_aggregation_by_hand(tmp_path):
     assert (sat["best_accuracy"], sat["collapsed"], sat["q_over_radius"]) == (0.5, 0, 0.25)
     assert sat["best_accuracy_se"] is None  # one seed: no standard error
     assert mean_se([1.0, 2.0, 3.0, 4.0]) == pytest.approx((2.5, math.sqrt(5 / 3) / 2))
+    (sync,) = aggregate([record("grpo", 0, 0, 0.3, 0.3, 0.01)])  # lag 0 is verl's synchronous mode
+    assert (sync["lag_label"], sync["lag_regime"]) == ("lag0", "sync")
     write_report(tmp_path, records, ["verl-sat sweep ..."])
     table = (tmp_path / "results.md").read_text()
     assert "| grpo | 3 | 30.0 ± 5.8 | 16.7 ± 9.3 | 2/3 | 0.3000 | - | - | - |" in table
