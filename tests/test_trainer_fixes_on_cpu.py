@@ -23,6 +23,7 @@ import logging
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -79,18 +80,21 @@ def test_pinned_flush_keyword_to_logging_at_info_level():
     trainer_fixes.FlushTolerantLogger(logger, {}).info("x", flush=True)
 
 
-@pytest.mark.parametrize("fixes", [True, False])
-def test_fix_applies_only_in_a_verl_sat_main_process_when_the_trainer_is_imported(fixes):
-    run = subprocess.run([sys.executable, "-c", APPLIED_PROBE], env=_env(fixes), capture_output=True, text=True)
-    lines = run.stdout.splitlines()
-    assert lines[0] == "imported by import verl: False", run.stderr[-2000:]  # the plugin loads no trainer
-    assert lines[1] == f"hooks: {int(fixes)}"
-    if fixes:
-        assert run.returncode == 0, run.stderr[-2000:]
-        assert lines[2] == "loader: SourceFileLoader SourceFileLoader"  # the hook leaves the module verl's own loader
-        assert lines[3] == "patched: True"
-    else:  # verl as it ships: the call raises
-        assert run.returncode == 1 and "TypeError" in run.stderr and "flush" in run.stderr
+def test_fix_applies_only_in_a_verl_sat_main_process_when_the_trainer_is_imported():
+    """With and without the fixes (the two probes run at the same time)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = list(pool.map(lambda fixes: subprocess.run([sys.executable, "-c", APPLIED_PROBE], env=_env(fixes),
+                                                          capture_output=True, text=True), (True, False)))  # fmt: skip
+    for fixes, run in zip((True, False), runs, strict=True):
+        lines = run.stdout.splitlines()
+        assert lines[0] == "imported by import verl: False", run.stderr[-2000:]  # the plugin loads no trainer
+        assert lines[1] == f"hooks: {int(fixes)}"
+        if fixes:
+            assert run.returncode == 0, run.stderr[-2000:]
+            assert lines[2] == "loader: SourceFileLoader SourceFileLoader"  # the hook keeps verl's own loader
+            assert lines[3] == "patched: True"
+        else:  # verl as it ships: the call raises
+            assert run.returncode == 1 and "TypeError" in run.stderr and "flush" in run.stderr
 
 
 def test_install_fixes_a_module_already_imported_once():
