@@ -230,21 +230,24 @@ def test_series_patches_are_the_four_documented():
     assert [p.subject.split("]")[0] for p in PATCHES] == ["[algo", "[fsdp", "[trainer", "[rollout"]
 
 
-@pytest.mark.parametrize(
-    "template,found",
-    [(LOGGING_TEST, "trainer/ppo/v1/trainer_separate_async.py:181"),
-     (ROLLOUT_LOGGING_TEST, "rollout/sglang_rollout/http_server_engine.py:144")],
-    ids=["trainer", "rollout"],
-)  # fmt: skip
-def test_logging_fix_tests_fail_on_unpatched_verl(template, found, tmp_path):
+def test_logging_fix_tests_fail_on_unpatched_verl(tmp_path):
     """Each logging patch's test is pinned: on verl 0.9.1 as installed it finds the call its patch fixes (the
-    rollout's file imports sglang, which is not installed here: the test only parses it)."""
-    test = tmp_path / Path(template).name
-    shutil.copy(REPO / "verl_sat/upstream/templates" / test.name, test)
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)],
-                         capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
-    assert run.returncode == 1, run.stdout[-2000:]
-    assert "1 failed, 1 passed" in run.stdout and found in run.stdout
+    rollout's file imports sglang, which is not installed here: the test only parses it). Both run at the same time."""
+    cases = [(LOGGING_TEST, "trainer/ppo/v1/trainer_separate_async.py:181"),
+             (ROLLOUT_LOGGING_TEST, "rollout/sglang_rollout/http_server_engine.py:144")]  # fmt: skip
+
+    def run(template):
+        (tmp_path / Path(template).stem).mkdir()
+        test = tmp_path / Path(template).stem / Path(template).name
+        shutil.copy(REPO / "verl_sat/upstream/templates" / test.name, test)
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)],
+                              capture_output=True, text=True, cwd=test.parent)  # fmt: skip
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = list(pool.map(run, [template for template, _ in cases]))
+    for (template, found), proc in zip(cases, runs, strict=True):
+        assert proc.returncode == 1, f"{template}: {proc.stdout[-2000:]}"
+        assert "1 failed, 1 passed" in proc.stdout and found in proc.stdout
 
 
 def test_the_two_logging_tests_share_the_scanner():
