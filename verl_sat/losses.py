@@ -48,6 +48,7 @@ def compute_policy_loss_sat(
             ``policy_loss`` (``sat_params_of``).
         rollout_is_weights: optional ``[B, T]`` rollout-correction weights multiplied into the loss.
     """
+    assert config is not None, "the SAT losses need the actor config (clip radii and policy_loss's SAT keys)"
     clip_low, clip_high = _sat_clip_radii(config)
     sat = sat_params_of(config.policy_loss, "sat")
     clip_ratio_c = config.get("clip_ratio_c", 3.0)
@@ -70,6 +71,7 @@ def compute_policy_loss_sat_gspo(
 
     Args: as ``compute_policy_loss_sat``; the SAT hyperparameter ``granularity`` selects the score unit.
     """
+    assert config is not None, "the SAT losses need the actor config (clip radii and policy_loss's SAT keys)"
     clip_low, clip_high = _sat_clip_radii(config)
     sat = sat_params_of(config.policy_loss, "sat_gspo")
 
@@ -79,11 +81,7 @@ def compute_policy_loss_sat_gspo(
     return _sat_aggregate(out, loss_agg_mode, config, rollout_is_weights, clip_low, clip_high, sat.quantile)
 
 
-def _sat_clip_radii(config: DictConfig | ActorConfig | None) -> tuple[float, float]:
-    if config is None:
-        raise ValueError(
-            "the SAT losses need the actor config (clip radii and the SAT keys of policy_loss); got config=None"
-        )
+def _sat_clip_radii(config: DictConfig | ActorConfig) -> tuple[float, float]:
     clip_low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
     clip_high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
     return clip_low, clip_high

@@ -34,6 +34,7 @@ from verl_sat.upstream.series import Patch, write_series
 
 TEMPLATES = Path(__file__).parent / "templates"
 VERL_DIR, RECIPE_DIR = "verl", "verl-recipe"  # under --out: the pull request to verl, the one to verl-recipe
+ALONE = "alone"  # under DIR/verl: ALONE/N/0001-*.patch, patch N of the series generated on its own against 0.9.1
 SAT_TEST = "tests/trainer/ppo/test_sat_policy_loss_on_cpu.py"
 R3_TEST = "tests/workers/engine/test_fsdp_router_replay_on_cpu.py"
 LOGGING_TEST = trainer_fix_patch.LOGGING_TEST
@@ -114,11 +115,14 @@ def source_checkout() -> Path:
     return root
 
 
-def write_upstream(out: Path, repo: Path | None = None) -> list[Path]:
+def write_upstream(out: Path, repo: Path | None = None, verl_repo: Path | None = None) -> list[Path]:
     """Write the patch series and its ``PR.md`` into ``out/verl``, the ``sat/`` recipe and its ``PR.md`` into
-    ``out/verl-recipe``; return the files written."""
+    ``out/verl-recipe``; return the files written. ``verl_repo``: a verl repository checkout, for the files of verl's
+    that its wheel lacks (``series.write_series``)."""
     repo = source_checkout() if repo is None else repo
-    written = write_series(out / VERL_DIR, repo, PATCHES)
+    written = write_series(out / VERL_DIR, repo, PATCHES, verl_repo)
+    for number, patch in enumerate(PATCHES[1:], start=2):  # each as its own pull request (its own license line)
+        write_series(out / VERL_DIR / ALONE / str(number), repo, [patch], verl_repo)
     pr = out / VERL_DIR / "PR.md"
     pr.write_text(pr_markdown(repo, written, [patch.subject for patch in PATCHES]))
     core_pr = f'(patches "{PATCHES[0].subject}" and "{PATCHES[1].subject}")'

@@ -49,8 +49,9 @@ def pr_markdown(repo: Path, patches: list[tuple[Path, list[str]]], subjects: lis
     am_args = " ".join(f"{i:04d}-*.patch" for i in range(1, len(patches) + 1))
     lines = [f"# {subjects[0]}", "", "### What does this PR do?", "", MOTIVATION]
     lines += [
-        f"The series has {len(patches)} patches against verl 0.9.1; each after the first also applies to 0.9.1 on its",
-        "own and can be sent as its own PR:",
+        f"The series has {len(patches)} patches against verl 0.9.1; each after the first can be sent as its own PR,",
+        "as `alone/N/0001-*.patch` (patch N generated on its own against 0.9.1: the same change, carrying its own",
+        "license-header line), and passes verl's pre-commit, sanity, docs, type-coverage and PR-title checks so:",
         "",
         *(
             f"{i}. `{path.name}`: {subject}"

@@ -23,18 +23,37 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import verl
 
-from verl_sat.upstream.edit import UpstreamDriftError
+from verl_sat.upstream.edit import UpstreamDriftError, insert_after
 from verl_sat.upstream.generated_configs import CONFIG_DIR, regenerate
 
 VERL_VERSION = "0.9.1"
 AUTHOR = "verl-sat authors <verl-sat@users.noreply.github.com>"
 DATE = "2026-12-04T00:00:00+00:00"  # fixed: the series is a pure function of the source
+# verl's check-license hook (tests/special_sanity/check_license.py, in verl's repository, not its wheel) accepts a
+# fixed list of copyright lines; an individual contributor's is "Copyright 2025 Individual Contributor:". The series'
+# new files carry verl-sat's year under that form, and the series adds the 2026 line to the list, as verl added the
+# 2026 lines of Bytedance, Amazon, Huawei and NVIDIA
+OWN_HEADER = "# Copyright 2026 The verl-sat Authors\n"
+UPSTREAM_HEADER = "# Copyright 2026 Individual Contributor: The verl-sat Authors\n"
+LICENSE_CHECK = "tests/special_sanity/check_license.py"
+# verl's Sphinx build (doc.yml) fails on a page in no toctree: a new docs/algo/ page joins the algorithms' toctree
+DOCS_INDEX = "docs/index.rst"
+DOCS_INDEX_ANCHOR = "   algo/dro.md\n"  # the last entry of the algorithms' toctree in 0.9.1
+# the files of verl's repository, not its wheel, that the series edits: taken from --verl-repo
+REPO_FILES = (LICENSE_CHECK, DOCS_INDEX)
+LICENSE_ANCHORS = (
+    'license_head_individual = "Copyright 2025 Individual Contributor:"\n',
+    "    license_head_individual,\n",
+)
+LICENSE_LINES = ('license_head_individual_26 = "Copyright 2026 Individual Contributor:"\n',
+                 "    license_head_individual_26,\n")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -59,9 +78,16 @@ def verl_site_root() -> Path:
     return Path(verl.__file__).resolve().parent.parent
 
 
-def write_series(out: Path, repo: Path, patches: list[Patch]) -> list[tuple[Path, list[str]]]:
+def write_series(
+    out: Path, repo: Path, patches: list[Patch], verl_repo: Path | None = None
+) -> list[tuple[Path, list[str]]]:
     """Write ``0001-*.patch`` ... into ``out`` (created; old ``*.patch`` files there are removed); return each patch
-    file with the paths its commit changes."""
+    file with the paths its commit changes.
+
+    New Python files get ``UPSTREAM_HEADER``. ``verl_repo``, a verl repository checkout, supplies ``REPO_FILES``
+    (not in the wheel): the first patch that adds such a file adds the 2026 line to ``LICENSE_CHECK``, and a new
+    ``docs/algo/`` page joins ``DOCS_INDEX``'s toctree; without one those edits are left out, with a warning, and verl's
+    check-license hook and docs build fail on the series."""
     site = verl_site_root()
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.patch"):
@@ -69,13 +95,20 @@ def write_series(out: Path, repo: Path, patches: list[Patch]) -> list[tuple[Path
     with tempfile.TemporaryDirectory(prefix="verl-sat-upstream-") as tmp:
         work = Path(tmp) / "verl"
         _base_tree(site, work, {path for patch in patches for path in patch.edits})
+        for path in REPO_FILES:
+            if verl_repo is not None and (verl_repo / path).is_file():
+                (work / path).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(verl_repo / path, work / path)
+            else:
+                warnings.warn(f"no {path} (pass --verl-repo with a verl checkout): the series leaves it as it is, and "
+                              "verl's check-license hook or docs build fails on the new files", stacklevel=2)  # fmt: skip
         git = _git(work, Path(tmp))
         git("init", "-q")
         git("add", "-A")
         git("commit", "-q", "-m", f"verl {VERL_VERSION} (the files this series touches)")
         changed_paths = []
         for patch in patches:
-            changed = patch.changes(lambda path: _read(work, path), repo)
+            changed = _with_license(patch.changes(lambda path: _read(work, path), repo), work)
             for path, text in changed.items():
                 (work / path).parent.mkdir(parents=True, exist_ok=True)
                 (work / path).write_text(text)
@@ -87,6 +120,27 @@ def write_series(out: Path, repo: Path, patches: list[Patch]) -> list[tuple[Path
             changed_paths.append(git("show", "--name-only", "--format=", "HEAD").split())
         git("format-patch", "-q", "--zero-commit", "--no-signature", "-o", str(out.resolve()), f"HEAD~{len(patches)}")
     return list(zip(sorted(out.glob("*.patch")), changed_paths, strict=True))
+
+
+def _with_license(changed: dict[str, str], work: Path) -> dict[str, str]:
+    """``changed`` with ``UPSTREAM_HEADER`` on new Python files (the first of them registers its line with verl's
+    license check) and each new ``docs/algo/`` page in the algorithms' toctree, where the base tree has those files."""
+    changed = dict(changed)
+    new_files = [path for path, text in changed.items() if path.endswith(".py") and text.startswith(OWN_HEADER)]
+    for path in new_files:
+        changed[path] = UPSTREAM_HEADER + changed[path][len(OWN_HEADER) :]
+    check = work / LICENSE_CHECK
+    if new_files and check.is_file() and LICENSE_LINES[0] not in check.read_text():
+        text = check.read_text()
+        for anchor, line in zip(LICENSE_ANCHORS, LICENSE_LINES, strict=True):
+            text = insert_after(text, anchor, line, LICENSE_CHECK)
+        changed[LICENSE_CHECK] = text
+    index = work / DOCS_INDEX
+    for page in [path for path in changed if path.startswith("docs/algo/") and path.endswith(".md")]:
+        entry = f"   {page.removeprefix('docs/')}\n"
+        if index.is_file() and entry not in index.read_text():
+            changed[DOCS_INDEX] = insert_after(index.read_text(), DOCS_INDEX_ANCHOR, entry, DOCS_INDEX)
+    return changed
 
 
 def _base_tree(site: Path, work: Path, edits: set[str]) -> None:
