@@ -63,6 +63,13 @@ DOC_FAILURES = (
     "WARNING: Definition list ends without a blank line",
 )
 BASELINE = "v0.9.1"  # the unpatched checkout: a check failing there is the stand-in's, not the series'
+# doc.yml's build: `make html` with its options, then the greps that fail it (and no HTML at all fails too)
+SPHINX = (
+    "cd docs && make clean >/dev/null && make html SPHINXOPTS='--keep-going -w _build/sphinx.log' >/dev/null 2>&1;"
+    f" fail=0; for line in {' '.join(map(shlex.quote, DOC_FAILURES))}; do"
+    ' if grep -F "$line" _build/sphinx.log; then fail=1; fi; done;'
+    " test -f _build/html/index.html && exit $fail || { tail -20 _build/sphinx.log; exit 1; }"
+)
 # an interpreter that must see the patched checkout, not verl-sat's plugin
 # (plus the modules named in UPSTREAM_CHECK_BLOCK, for a check whose workflow installs less than this interpreter has)
 BLOCK_PLUGIN = """import os, sys
@@ -204,8 +211,9 @@ def stand_up_checkout(verl_repo: Path, recipe_repo: Path, dest: Path, patches: l
 
 def _run(command: list[str] | str, cwd: Path, env: dict[str, str], timeout: int = 1800) -> tuple[bool, str, float]:
     start = time.monotonic()
-    proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
-                          shell=isinstance(command, str), executable="/bin/bash" if isinstance(command, str) else None)  # fmt: skip
+    shell = isinstance(command, str)
+    proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, shell=shell,
+                          executable="/bin/bash" if shell else None)  # fmt: skip
     return proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:], time.monotonic() - start
 
 
@@ -222,7 +230,8 @@ def _path_env(envs: Environments, tree: Path, python_bin: Path | None) -> dict[s
 def local_hooks(tree: Path) -> list[tuple[str, str]]:
     """``(id, entry)`` of each local hook of the checkout's ``.pre-commit-config.yaml``."""
     config = yaml.safe_load((tree / ".pre-commit-config.yaml").read_text())
-    return [(hook["id"], hook["entry"]) for repo in config["repos"] if repo["repo"] == "local" for hook in repo["hooks"]]
+    local = [repo for repo in config["repos"] if repo["repo"] == "local"]
+    return [(hook["id"], hook["entry"]) for repo in local for hook in repo["hooks"]]
 
 
 def pr_event(tree: Path, title: str, body: str, out: Path) -> dict[str, str]:
@@ -243,13 +252,22 @@ def verl_checks(
     # `exclude: ^.*\.(ipynb)$`; mypy: python, pyi)
     py_files = _git(tree, "ls-files", "*.py", "*.pyi").split()
     checks: list[tuple[str, str, object, dict]] = [
-        ("ruff", ".pre-commit-config.yaml",
-         [envs.tool("ruff"), "check", "--force-exclude", "--output-format=full", *py_files], {}),  # fmt: skip
-        ("ruff-format", ".pre-commit-config.yaml",
-         [envs.tool("ruff"), "format", "--force-exclude", "--check", *py_files], {}),  # fmt: skip
+        (
+            "ruff",
+            ".pre-commit-config.yaml",
+            [envs.tool("ruff"), "check", "--force-exclude", "--output-format=full", *py_files],
+            {},
+        ),  # fmt: skip
+        (
+            "ruff-format",
+            ".pre-commit-config.yaml",
+            [envs.tool("ruff"), "format", "--force-exclude", "--check", *py_files],
+            {},
+        ),  # fmt: skip
         ("mypy", ".pre-commit-config.yaml", [envs.tool("mypy"), *MYPY_HOOK_ARGS, *py_files], {}),
     ]
-    changed = {str(Path(p).parent) for p in _git(tree, "diff", "--name-only", "origin/main...HEAD", "--", "verl").split()}
+    diff = _git(tree, "diff", "--name-only", "origin/main...HEAD", "--", "verl").split()
+    changed = {str(Path(path).parent) for path in diff}
     for hook, entry in local_hooks(tree):
         # language: python hooks run in pre-commit's venv (no extra dependencies: the tools venv's python);
         # autogen-trainer-cfg composes verl's configs with hydra, as pre-commit.yml installs it
@@ -261,24 +279,53 @@ def verl_checks(
         checks.append((hook, ".pre-commit-config.yaml (local)", entry, {"PATH": str(tools_bin)}))
     site = {"PATH": str(site_bin)}
     checks += [
-        ("special_sanity", "sanity.yml", [envs.site_python, "-m", "pytest", "-s", "-x", "-q", "-p", "no:cacheprovider",
-                                          "-c", "pyproject.toml", "tests/special_sanity"], site),  # fmt: skip
-        ("validate_imported_docs", "sanity.yml", [envs.site_python, "tests/special_sanity/validate_imported_docs.py"],
-         site),  # fmt: skip
-        ("sphinx", "doc.yml", "cd docs && make clean >/dev/null && make html SPHINXOPTS='--keep-going -w "
-         "_build/sphinx.log' >/dev/null 2>&1; status=$?; fail=0; for line in " + " ".join(map(shlex.quote, DOC_FAILURES))
-         + "; do if grep -F \"$line\" _build/sphinx.log; then fail=1; fi; done; test -f _build/html/index.html "
-         "&& exit $fail || { tail -20 _build/sphinx.log; exit 1; }", {"PATH": str(tools_bin)}),  # fmt: skip
-        ("type_coverage", "type-coverage-check.yml", [envs.site_python, "tests/special_sanity/type_coverage_check.py"],
-         site),  # fmt: skip
-        ("api_docs", "type-coverage-check.yml", [envs.site_python, "tests/special_sanity/check_api_docs.py", "verl"],
-         {**site, "UPSTREAM_CHECK_BLOCK": API_DOCS_BLOCK}),  # fmt: skip
+        (
+            "special_sanity",
+            "sanity.yml",
+            [
+                envs.site_python,
+                "-m",
+                "pytest",
+                "-s",
+                "-x",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-c",
+                "pyproject.toml",
+                "tests/special_sanity",
+            ],
+            site,
+        ),  # fmt: skip
+        (
+            "validate_imported_docs",
+            "sanity.yml",
+            [envs.site_python, "tests/special_sanity/validate_imported_docs.py"],
+            site,
+        ),  # fmt: skip
+        ("sphinx", "doc.yml", SPHINX, {"PATH": str(tools_bin)}),
+        (
+            "type_coverage",
+            "type-coverage-check.yml",
+            [envs.site_python, "tests/special_sanity/type_coverage_check.py"],
+            site,
+        ),  # fmt: skip
+        (
+            "api_docs",
+            "type-coverage-check.yml",
+            [envs.site_python, "tests/special_sanity/check_api_docs.py", "verl"],
+            {**site, "UPSTREAM_CHECK_BLOCK": API_DOCS_BLOCK},
+        ),  # fmt: skip
     ]
     event = pr_event(tree, title, body, out)
     checks += [
         ("pr_title", "check-pr-title.yml", [envs.site_python, "tests/special_sanity/check_pr_title.py"], event),
-        ("pr_description", "check-pr-title.yml", [envs.site_python, "tests/special_sanity/check_pr_description.py"],
-         event),  # fmt: skip
+        (
+            "pr_description",
+            "check-pr-title.yml",
+            [envs.site_python, "tests/special_sanity/check_pr_description.py"],
+            event,
+        ),  # fmt: skip
     ]
     return checks
 
@@ -362,8 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True)
     print("tools: verl's pinned linters and Sphinx, verl-recipe's ruff (own venvs under --tools)", flush=True)
     envs = Environments(
-        verl_tools=make_tool_env(args.tools.resolve() / "verl", VERL_TOOLS,
-                                 (args.verl_repo.resolve() / "docs" / "requirements-docs.txt",)),  # fmt: skip
+        verl_tools=make_tool_env(
+            args.tools.resolve() / "verl", VERL_TOOLS, (args.verl_repo.resolve() / "docs" / "requirements-docs.txt",)
+        ),  # fmt: skip
         recipe_tools=make_tool_env(args.tools.resolve() / "verl-recipe", RECIPE_TOOLS),
         block=out / "block",
     )

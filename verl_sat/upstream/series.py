@@ -100,8 +100,8 @@ def write_series(
                 (work / path).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(verl_repo / path, work / path)
             else:
-                warnings.warn(f"no {path} (pass --verl-repo with a verl checkout): the series leaves it as it is, and "
-                              "verl's check-license hook or docs build fails on the new files", stacklevel=2)  # fmt: skip
+                missing = f"no {path} (pass --verl-repo with a verl checkout): the series leaves it as it is"
+                warnings.warn(f"{missing}, and verl's check-license hook or docs build fails", stacklevel=2)
         git = _git(work, Path(tmp))
         git("init", "-q")
         git("add", "-A")
