@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 from test_routing_replay_on_cpu import TOP_K, ExpertsSpy, tiny_moe
+from verl.utils import tensordict_utils as tu
 from verl.utils.ulysses import set_ulysses_sequence_parallel_group, ulysses_pad_and_slice_inputs
 from verl.workers.config import EngineRouterReplayConfig
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
@@ -155,6 +156,40 @@ def test_engine_replays_the_rollout_routes_on_the_packed_micro_batch():
     engine._add_router_replay_metrics(metrics)
     assert metrics["actor/r3_layers_replayed"] == 2.0
     assert metrics["actor/r3_route_flip_frac"] > 0  # packed attention differs from per-sequence rollout
+
+
+def test_engine_honours_verls_per_call_routing_replay_flag():
+    """verl's worker flags each call (``compute_ref_log_prob``: False): False keeps native routing even under R3, True
+    replays, and where verl 0.9.1's worker sets no flag (it does so only for Megatron and VeOmni) R3 replays."""
+    model = tiny_moe("qwen3_moe").eval()
+    lengths, pad = [5, 7, 3], 2
+    packed_ids = None
+    outputs = {}
+    for flag in (None, True, False):
+        micro_batch = _engine_micro_batch(model, lengths)
+        if flag is not None:
+            tu.assign_non_tensor_data(micro_batch, "enable_routing_replay", flag)
+        if packed_ids is None:
+            packed_ids = torch.cat([micro_batch["input_ids"].values(), torch.zeros(pad, dtype=torch.long)])[None]
+            position_ids = torch.cat([torch.arange(n) for n in lengths] + [torch.arange(pad)]).unsqueeze(0)
+        engine = RoutingReplayFSDPEngine.__new__(RoutingReplayFSDPEngine)
+        engine.engine_config = OmegaConf.create({"router_replay": {"mode": "R3"}})
+        engine.module, engine.use_ulysses_sp = model, False
+        spy = ExpertsSpy(model)
+        engine._prepare_router_replay_inputs(micro_batch, {"pad_size": pad})
+        with torch.no_grad():
+            model(input_ids=packed_ids, position_ids=position_ids)
+        engine._end_router_replay()
+        spy.close()
+        metrics = {}
+        engine._add_router_replay_metrics(metrics)
+        outputs[flag] = (spy.used["model.layers.0.mlp.experts"][: sum(lengths)], metrics)
+        if engine._routing_replay is not None:
+            engine._routing_replay.detach()
+    rollout_routes = micro_batch["routed_experts"].values().long()[:, 0]
+    for flag in (None, True):
+        assert torch.equal(outputs[flag][0], rollout_routes) and outputs[flag][1]["actor/r3_layers_replayed"] == 2.0
+    assert not torch.equal(outputs[False][0], rollout_routes) and outputs[False][1] == {}
 
 
 def test_missing_routes_is_a_clear_error():

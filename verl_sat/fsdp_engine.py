@@ -69,6 +69,11 @@ class RoutingReplayFSDPEngine(FSDPEngineWithLMHead):
     """
 
     _routing_replay: RoutingReplay | None = None
+    # verl's per-call ``enable_routing_replay`` flag, as its worker sets it on the data: True for the actor's
+    # ``compute_log_prob`` and update, False for ``compute_ref_log_prob``. Replay needs both that flag and
+    # ``router_replay.mode=R3``, as in verl's Megatron and VeOmni engines. Where no flag is set (verl 0.9.1's worker sets
+    # it only for the Megatron and VeOmni strategies), the engine config decides.
+    _routing_replay_without_flag: bool = True
 
     def prepare_model_inputs(self, micro_batch: TensorDict):
         model_inputs, output_args = super().prepare_model_inputs(micro_batch)
@@ -87,9 +92,13 @@ class RoutingReplayFSDPEngine(FSDPEngineWithLMHead):
     # ---- routing-replay hooks -------------------------------------------------------------------------------------
 
     def _prepare_router_replay_inputs(self, micro_batch: TensorDict, output_args: dict) -> None:
-        """Under ``router_replay.mode=R3``, arm replay of this packed micro-batch's ``routed_experts`` (laid out like
-        its ``input_ids``: pad rows appended, sliced under Ulysses) for the forward that follows."""
+        """Under ``router_replay.mode=R3``, unless the call's ``enable_routing_replay`` flag is False, arm replay of
+        this packed micro-batch's ``routed_experts`` (laid out like its ``input_ids``: pad rows appended, sliced under
+        Ulysses) for the forward that follows."""
         if self.engine_config.router_replay.mode != "R3":
+            return
+        flag = tu.get_non_tensor_data(data=micro_batch, key="enable_routing_replay", default=None)
+        if not (self._routing_replay_without_flag if flag is None else flag):
             return
         if not tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
             raise RuntimeError(

@@ -65,9 +65,11 @@ PATCHES = [
             "rollout engine's expert choices in the actor's compute_log_prob and update forwards (the router still\n"
             "computes the weights, so it keeps learning), as the Megatron and VeOmni engines do. Model-level replay\n"
             "for Qwen2/3-MoE, Qwen3-Next, Qwen3.5-MoE, OLMoE, Mixtral, GPT-OSS, DeepSeek-V3 and GLM4-MoE;\n"
-            "`FSDPActorConfig` refuses R2, fsdp_turbo and unpacked inputs with R3. Addresses #3762 and #5392."
+            "`FSDPActorConfig` refuses R2, fsdp_turbo and unpacked inputs with R3. The worker sets the per-call\n"
+            "`enable_routing_replay` flag for the FSDP strategies too, and the engine replays only when both it and\n"
+            "the mode say so, as Megatron and VeOmni do. Addresses #3762 and #5392."
         ),
-        edits=(r3_patch.FSDP_ENGINE, r3_patch.FSDP_YAML, r3_patch.ACTOR_CONFIG),
+        edits=(r3_patch.FSDP_ENGINE, r3_patch.FSDP_YAML, r3_patch.ACTOR_CONFIG, r3_patch.ENGINE_WORKERS),
         changes=lambda read, repo: {
             **r3_patch.r3_changes(read),
             R3_TEST: (TEMPLATES / Path(R3_TEST).name).read_text(),

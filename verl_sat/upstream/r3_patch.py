@@ -46,6 +46,17 @@ ROUTER_REPLAY = "verl/models/transformers/router_replay.py"
 FSDP_ENGINE = "verl/workers/engine/fsdp/transformer_impl.py"
 FSDP_YAML = "verl/trainer/config/engine/fsdp.yaml"
 ACTOR_CONFIG = "verl/workers/config/actor.py"
+ENGINE_WORKERS = "verl/workers/engine_workers.py"
+# verl's worker sets the per-call enable_routing_replay flag from the actor's router_replay mode for Megatron and
+# VeOmni only; the patch adds the FSDP strategies, so every worker call carries the flag, and the engine replays only
+# when both it and router_replay.mode=R3 say so (the plugin, on an unpatched worker, replays where no flag is set)
+WORKER_ANCHOR = "            rr_mode = self.config.actor.veomni.router_replay.mode\n"
+WORKER_FSDP_MODE = (
+    '        elif actor_strategy in ("fsdp", "fsdp2"):\n'
+    "            rr_mode = self.config.actor.fsdp_config.router_replay.mode\n"
+)
+FLAG_ATTRIBUTE = "_routing_replay_without_flag"
+UPSTREAM_FLAG_DEFAULT = f"{FLAG_ATTRIBUTE}: bool = False  # verl's worker sets enable_routing_replay on every call"
 WIDTH = 120  # verl's ruff line length
 HOOKS = ("_prepare_router_replay_inputs", "_end_router_replay", "_add_router_replay_metrics")
 # (the plugin override, the call it makes, the same call in verl's method, verl's anchor, where the call goes)
@@ -120,6 +131,7 @@ def r3_changes(read) -> dict[str, str]:
     return {
         ROUTER_REPLAY: standalone_source(verl_sat.routing_replay),
         FSDP_ENGINE: _fsdp_engine(read(FSDP_ENGINE)),
+        ENGINE_WORKERS: insert_after(read(ENGINE_WORKERS), WORKER_ANCHOR, WORKER_FSDP_MODE, ENGINE_WORKERS),
         FSDP_YAML: read(FSDP_YAML).rstrip("\n") + "\n" + FSDP_YAML_BLOCK,
         ACTOR_CONFIG: insert_after(
             read(ACTOR_CONFIG), '        object.__setattr__(self.engine, "strategy", self.strategy)\n',
@@ -132,13 +144,14 @@ def _fsdp_engine(text: str) -> str:
     routes_fn = definitions_source(verl_sat.fsdp_engine, ["micro_batch_routes"])
     hooks = methods_source(RoutingReplayFSDPEngine, list(HOOKS))
     attribute = _class_attribute(RoutingReplayFSDPEngine, "_routing_replay")
+    _class_attribute(RoutingReplayFSDPEngine, FLAG_ATTRIBUTE)  # the hooks read it: it must still exist
     text = insert_after(text, "from verl.models.transformers.monkey_patch import apply_monkey_patch\n",
                         "from verl.models.transformers.router_replay import RoutingReplay\n", FSDP_ENGINE)  # fmt: skip
     text = replace_once(text, "    set_ulysses_sequence_parallel_group,\n    ulysses_pad,\n",
                         "    set_ulysses_sequence_parallel_group,\n    slice_input_tensor,\n    ulysses_pad,\n",
                         FSDP_ENGINE)  # fmt: skip
     text = insert_before(text, "class FSDPEngine(BaseEngine):\n", routes_fn + "\n\n\n", FSDP_ENGINE)
-    text = insert_after(text, LMHEAD_CLASS, f"    {attribute}\n\n", FSDP_ENGINE)
+    text = insert_after(text, LMHEAD_CLASS, f"    {attribute}\n    {UPSTREAM_FLAG_DEFAULT}\n\n", FSDP_ENGINE)
     divider = "    # ---- rollout routing replay (R3) "
     divider += "-" * (WIDTH - len(divider))
     text = insert_before(text, VALUE_HEAD_REGISTRATION, f"\n{divider}\n\n{hooks}\n", FSDP_ENGINE)

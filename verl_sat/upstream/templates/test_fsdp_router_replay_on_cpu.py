@@ -25,6 +25,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import verl
 from verl.models.transformers.router_replay import RoutingReplay
+from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import EngineRouterReplayConfig, FSDPActorConfig, FSDPEngineConfig
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
@@ -73,8 +74,9 @@ def _engine(model, mode: str = "R3") -> FSDPEngineWithLMHead:
     return engine
 
 
-def _micro_batch(model, lengths: list[int], routes_of=lambda routes: routes) -> TensorDict:
-    """A padded batch with per-sequence recorded routes, converted to verl's packed layout."""
+def _micro_batch(model, lengths: list[int], routes_of=lambda routes: routes, flag: bool | None = True) -> TensorDict:
+    """A padded batch with per-sequence recorded routes, converted to verl's packed layout, with the per-call
+    ``enable_routing_replay`` flag verl's worker sets (``None``: not set)."""
     bs, seq = len(lengths), max(lengths) + 2
     attention_mask = (torch.arange(seq).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()
     input_ids = torch.randint(1, VOCAB, (bs, seq), generator=torch.Generator().manual_seed(1)) * attention_mask
@@ -88,7 +90,10 @@ def _micro_batch(model, lengths: list[int], routes_of=lambda routes: routes) -> 
     data = {"input_ids": input_ids, "attention_mask": attention_mask, "routed_experts": routes_of(routes)}
     data["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     data["response_mask"] = attention_mask[:, 1:]
-    return left_right_2_no_padding(TensorDict(data, batch_size=[bs]))
+    micro_batch = left_right_2_no_padding(TensorDict(data, batch_size=[bs]))
+    if flag is not None:
+        tu.assign_non_tensor_data(micro_batch, "enable_routing_replay", flag)
+    return micro_batch
 
 
 def _packed_forward(engine, micro_batch, lengths, pad: int):
@@ -118,6 +123,46 @@ def test_engine_replays_the_micro_batch_routes_on_packed_inputs():
     native, native_metrics = _packed_forward(_engine(model, "disabled"), rollout_batch, lengths, pad)
     assert native_metrics == {}
     assert not torch.allclose(native, shifted)
+
+
+def test_engine_replays_only_when_the_call_and_the_config_both_ask():
+    """As the Megatron and VeOmni engines: R3 in the engine config, and the worker's per-call flag (False for
+    ``compute_ref_log_prob``, absent for a caller that is not the worker) decides each forward."""
+    model, lengths, pad = _tiny_moe(), [5, 7, 3], 2
+    shifted = _micro_batch(model, lengths, _other_routes)
+    native, _ = _packed_forward(_engine(model, "disabled"), shifted, lengths, pad)
+    replayed, metrics = _packed_forward(_engine(model), shifted, lengths, pad)
+    assert metrics["actor/r3_route_flip_frac"] > 0 and not torch.allclose(replayed, native)
+    for flag in (False, None):
+        off, off_metrics = _packed_forward(_engine(model), _micro_batch(model, lengths, _other_routes, flag), lengths, pad)
+        assert torch.equal(off, native) and off_metrics == {}
+
+
+def test_gradient_checkpointing_recompute_replays_the_same_routes():
+    """Under gradient checkpointing the backward runs each layer's forward again, router included: the recompute must
+    use the replayed routes, so the gradients equal those without checkpointing on the same (shifted) routes, and
+    differ from the native routes' gradients."""
+    lengths, pad = [5, 7, 3], 2
+
+    def grads(checkpointing: bool, mode: str = "R3") -> list[torch.Tensor]:
+        model = _tiny_moe().train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        engine = _engine(model, mode)
+        micro_batch = _micro_batch(model, lengths, _other_routes)
+        ids = torch.cat([micro_batch["input_ids"].values(), torch.zeros(pad, dtype=torch.long)]).unsqueeze(0)
+        position_ids = torch.cat([torch.arange(n) for n in lengths] + [torch.arange(pad)]).unsqueeze(0)
+        engine._prepare_router_replay_inputs(micro_batch, {"pad_size": pad})
+        logits = model(input_ids=ids, position_ids=position_ids).logits
+        engine._end_router_replay()  # the forward is done; the backward's recompute comes after
+        logits[0, : sum(lengths)].logsumexp(-1).sum().backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    plain, checkpointed, native = grads(False), grads(True), grads(True, "disabled")
+    assert len(plain) == len(checkpointed)
+    for a, b in zip(plain, checkpointed, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert any(not torch.allclose(a, b) for a, b in zip(plain, native, strict=True))
 
 
 def test_engine_without_routes_names_the_rollout_key():
