@@ -71,8 +71,8 @@ class RoutingReplayFSDPEngine(FSDPEngineWithLMHead):
     _routing_replay: RoutingReplay | None = None
     # verl's per-call ``enable_routing_replay`` flag, as its worker sets it on the data: True for the actor's
     # ``compute_log_prob`` and update, False for ``compute_ref_log_prob``. Replay needs both that flag and
-    # ``router_replay.mode=R3``, as in verl's Megatron and VeOmni engines. Where no flag is set (verl 0.9.1's worker sets
-    # it only for the Megatron and VeOmni strategies), the engine config decides.
+    # ``router_replay.mode=R3``, as in verl's Megatron and VeOmni engines. Where no flag is set (verl 0.9.1's worker
+    # sets it only for the Megatron and VeOmni strategies), the engine config decides.
     _routing_replay_without_flag: bool = True
 
     def prepare_model_inputs(self, micro_batch: TensorDict):

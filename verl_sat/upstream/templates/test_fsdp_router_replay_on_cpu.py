@@ -134,7 +134,8 @@ def test_engine_replays_only_when_the_call_and_the_config_both_ask():
     replayed, metrics = _packed_forward(_engine(model), shifted, lengths, pad)
     assert metrics["actor/r3_route_flip_frac"] > 0 and not torch.allclose(replayed, native)
     for flag in (False, None):
-        off, off_metrics = _packed_forward(_engine(model), _micro_batch(model, lengths, _other_routes, flag), lengths, pad)
+        unflagged = _micro_batch(model, lengths, _other_routes, flag)
+        off, off_metrics = _packed_forward(_engine(model), unflagged, lengths, pad)
         assert torch.equal(off, native) and off_metrics == {}
 
 
