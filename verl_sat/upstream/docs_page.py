@@ -16,6 +16,7 @@ the plugin's enabling instructions and key table replaced by verl's flat keys, t
 ``sat.<name>`` renamed ``sat_<name>``. Anything plugin-specific left over fails generation."""
 
 import re
+import textwrap
 from dataclasses import fields
 from pathlib import Path
 
@@ -28,7 +29,6 @@ TARGET = "docs/algo/sat.md"
 # exact phrases of docs/sat.md that name the plugin, and what verl's page says instead
 SUBSTITUTIONS = (
     ("verl-sat registers it as two verl policy losses", "verl implements it as two policy losses"),
-    ("Properties, each a test in `tests/test_sat_properties_on_cpu.py` for", "Properties, each tested for"),
     ("; see [benchmarks.md](benchmarks.md).", "."),
     (" [recipes.md](recipes.md) has all 13 rows.", ""),
     # the mismatch metric of every row is logged by the plugin's wrapper of ppo_loss, which the series leaves out
@@ -38,6 +38,21 @@ SUBSTITUTIONS = (
         "below |\n",
         "",
     ),
+)
+# the plugin's properties paragraph names its own test suite; verl's page says what the PR's test file checks
+PROPERTIES_MARKER = "Properties, each a test in `tests/test_sat_properties_on_cpu.py`"
+PR_PROPERTIES = (
+    "Properties tested in `tests/trainer/ppo/test_sat_policy_loss_on_cpu.py`, through verl's policy-loss registry, "
+    "for `sat` and for `sat_gspo` with every granularity, with both quantile methods and under every `loss_agg_mode` "
+    "(`token-mean`, `token-sum`, `seq-mean-token-mean`, `seq-mean-token-sum`, `seq-mean-token-sum-norm`): the gate "
+    "takes at most `1-alpha` of the active units (length-weighted for `sequence`; with `quantile_method=linear` at "
+    "most one unit more, `ceil((1-alpha)(n-1))`, which is one reason the paper's rule is the default); the loss "
+    "is never below the nominal one; ungated tokens get exactly the nominal gradient; a gated token whose ratio lies "
+    "in the newly cut band `(hi, 1+eps_hi]` or `[1-eps_lo, lo)` gets zero gradient where the nominal rule gives "
+    "it one; a NaN token drops out and the loss and its gradient stay finite; an all-masked micro-batch gives a "
+    "finite zero loss on the graph. Also tested: the SAT interval lies inside the nominal one (every granularity); "
+    "with no staleness, or with nothing gated, the loss and its gradient are bit for bit verl's `vanilla` / `gspo`; "
+    "a gated case computed by hand; the once-per-process warning when the gate is structurally empty."
 )
 # paragraphs about the plugin's own entry points, its mismatch wrapper, its device checks, its measurements and its
 # recipes
@@ -89,6 +104,7 @@ def docs_page(repo: Path) -> str:
         elif section.startswith("## Keys"):
             section = keys_section() + "\n"
         paragraphs = [p for p in section.split("\n\n") if not any(m in p for m in DROPPED_PARAGRAPH_MARKERS)]
+        paragraphs = [_wrap(PR_PROPERTIES) if p.startswith(PROPERTIES_MARKER) else p for p in paragraphs]
         kept.append("\n\n".join(paragraphs))
     page = "".join(kept).rstrip("\n") + "\n"
     for f in fields(SatParams):
@@ -97,6 +113,10 @@ def docs_page(repo: Path) -> str:
     if leftover:
         raise UpstreamDriftError(f"{SOURCE} mentions {leftover}, which verl's page cannot: extend {__name__}")
     return page
+
+
+def _wrap(paragraph: str) -> str:
+    return "\n".join(textwrap.wrap(paragraph, width=120, break_on_hyphens=False, break_long_words=False))
 
 
 def keys_section() -> str:

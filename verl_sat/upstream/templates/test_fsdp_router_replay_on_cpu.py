@@ -154,7 +154,9 @@ def test_gradient_checkpointing_recompute_replays_the_same_routes():
         ids = torch.cat([micro_batch["input_ids"].values(), torch.zeros(pad, dtype=torch.long)]).unsqueeze(0)
         position_ids = torch.cat([torch.arange(n) for n in lengths] + [torch.arange(pad)]).unsqueeze(0)
         engine._prepare_router_replay_inputs(micro_batch, {"pad_size": pad})
-        logits = model(input_ids=ids, position_ids=position_ids).logits
+        # use_cache=False, as verl's engine calls the model: with a cache, transformers masks the packed sequences
+        # differently from the checkpointed forward, which turns the cache off
+        logits = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
         engine._end_router_replay()  # the forward is done; the backward's recompute comes after
         logits[0, : sum(lengths)].logsumexp(-1).sum().backward()
         return [p.grad.clone() for p in model.parameters() if p.grad is not None]
@@ -162,7 +164,7 @@ def test_gradient_checkpointing_recompute_replays_the_same_routes():
     plain, checkpointed, native = grads(False), grads(True), grads(True, "disabled")
     assert len(plain) == len(checkpointed)
     for a, b in zip(plain, checkpointed, strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        assert torch.equal(b, a)  # the same operations on the same values
     assert any(not torch.allclose(a, b) for a, b in zip(plain, native, strict=True))
 
 

@@ -12,11 +12,15 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """SAT policy losses ``sat`` and ``sat_gspo`` (arXiv 2607.18722): equal to ``vanilla`` / ``gspo`` when nothing is
-gated, a gated case computed by hand, the SAT interval's containment and pessimism, and the ``sat_*`` keys of
-``PolicyLossConfig`` (validation, Hydra composition)."""
+gated, a gated case computed by hand; for both losses, every granularity, both quantile methods and every
+``loss_agg_mode``: containment and pessimism of the SAT interval, the nominal gradient on ungated tokens, the gate-rate
+bound, NaN inputs and empty micro-batches; the once-per-process warning when the gate is structurally empty; and the
+``sat_*`` keys of ``PolicyLossConfig`` (validation, Hydra composition)."""
 
+import logging
 import math
 import os
+from fractions import Fraction
 
 import pytest
 import torch
@@ -24,11 +28,33 @@ from hydra import compose, initialize_config_dir
 
 import verl
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
+from verl.trainer.ppo import core_algos, sat_inert
 from verl.trainer.ppo.sat_math import SatParams, sat_gspo_surrogate, sat_token_surrogate
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config.actor import ActorConfig, PolicyLossConfig
 
 EPS = 0.2
+AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+# (loss_mode, granularity, the nominal loss it contracts)
+RULES = [("sat", "sequence", "vanilla"), ("sat_gspo", "sequence", "gspo"), ("sat_gspo", "sequence_uniform", "gspo"),
+         ("sat_gspo", "token", "gspo")]  # fmt: skip
+
+
+def _stale_batch(seed: int, batch: int = 24, length: int = 10):
+    """A micro-batch with per-sequence drift plus token noise, ragged responses and mixed-sign advantages."""
+    gen = torch.Generator().manual_seed(seed)
+    old = -torch.rand(batch, length, generator=gen, dtype=torch.float64) * 3
+    drift = torch.randn(batch, 1, generator=gen, dtype=torch.float64) * 0.08
+    new = old + drift + torch.randn(batch, length, generator=gen, dtype=torch.float64) * 0.05
+    advantages = torch.randn(batch, 1, generator=gen, dtype=torch.float64).expand(batch, length).contiguous()
+    lengths = torch.randint(3, length + 1, (batch, 1), generator=gen)
+    mask = (torch.arange(length).unsqueeze(0) < lengths).float()
+    return old, new, advantages, mask
+
+
+def _rule_keys(granularity: str, quantile_method: str, quantile: float = 0.8) -> dict:
+    keys = {"sat_quantile": quantile, "sat_quantile_method": quantile_method}
+    return keys if granularity == "sequence" else {**keys, "sat_granularity": granularity}
 
 
 def _actor_config(loss_mode: str, loss_agg_mode: str = "token-mean", **sat_keys) -> ActorConfig:
@@ -127,6 +153,90 @@ def test_interval_inside_nominal_and_loss_never_below_nominal(granularity):
     nominal = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - EPS, 1 + EPS))
     nominal = torch.where(advantages < 0, torch.minimum(nominal, -advantages * 3.0), nominal)
     assert torch.all(token.loss_mat[mask] >= nominal[mask])
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("quantile_method", ["inverted_cdf", "linear"])
+@pytest.mark.parametrize("loss_mode, granularity, nominal_mode", RULES)
+def test_properties_for_every_rule_quantile_method_and_aggregation(loss_mode, granularity, nominal_mode,
+                                                                    quantile_method, agg):  # fmt: skip
+    """Through verl's registry: the gate takes at most 1 - alpha of the active units (the linear quantile one unit
+    more); the per-token loss never falls below the nominal rule's; on every ungated token the gradient is the nominal
+    rule's; and SAT acts (a gated token loses the gradient the nominal rule gives it)."""
+    old, new, advantages, mask = _stale_batch(3)
+    keys = _rule_keys(granularity, quantile_method)
+    log_prob = new.clone().requires_grad_(True)
+    config = _actor_config(loss_mode, agg, **keys)
+    loss, metrics = get_policy_loss_fn(loss_mode)(old, log_prob, advantages, mask, agg, config)
+    loss.backward()
+    nominal_log_prob = new.clone().requires_grad_(True)
+    nominal_loss, _ = get_policy_loss_fn(nominal_mode)(old, nominal_log_prob, advantages, mask, agg,
+                                                       _actor_config(nominal_mode, agg))  # fmt: skip
+    nominal_loss.backward()
+
+    params = SatParams(quantile=0.8, quantile_method=quantile_method, granularity=granularity)
+    if loss_mode == "sat":
+        out = sat_token_surrogate(new, old, advantages, mask.bool(), EPS, EPS, 3.0, params)
+    else:
+        out = sat_gspo_surrogate(new, old, advantages, mask.bool(), EPS, EPS, params, granularity)
+    units = round(metrics["actor/sat_units"])
+    at_most = units - math.ceil(Fraction("0.8") * units) + (1 if quantile_method == "linear" else 0)
+    assert round(metrics["actor/sat_gate_rate"] * units) <= at_most
+    assert metrics["actor/sat_gate_rate"] > 0
+    assert loss.item() >= nominal_loss.item() - 1e-12  # pessimism, aggregated
+    # a gated token's interval has one endpoint contracted; an ungated one keeps (1 - eps, 1 + eps)
+    region = out.region
+    contracted = (region.lower > 1 - EPS) | (region.upper < 1 + EPS)
+    gate = contracted.reshape(mask.shape[0], -1).expand_as(mask) & mask.bool()
+    assert gate.any()
+    torch.testing.assert_close(log_prob.grad[~gate], nominal_log_prob.grad[~gate], rtol=0, atol=1e-12)
+    assert metrics["actor/sat_intercepted_frac"] > 0  # some gated tokens lost the nominal rule's gradient
+    intercepted = out.intercepted & mask.bool()
+    assert torch.all(log_prob.grad[intercepted] == 0) and torch.all(nominal_log_prob.grad[intercepted] != 0)
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("loss_mode, granularity, nominal_mode", RULES)
+def test_nan_token_is_inactive_and_the_loss_finite(loss_mode, granularity, nominal_mode, agg):
+    """A NaN log-prob on an active token: the loss and its gradient are finite under every aggregation, the token is
+    counted in ``sat_nan_frac``, and ``-inf`` old log-probs go through the clamp."""
+    old, new, advantages, mask = _stale_batch(4)
+    new[2, 1] = float("nan")
+    old[5, 0] = float("-inf")
+    log_prob = new.clone().requires_grad_(True)
+    config = _actor_config(loss_mode, agg, **_rule_keys(granularity, "inverted_cdf"))
+    loss, metrics = get_policy_loss_fn(loss_mode)(old, log_prob, advantages, mask, agg, config)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.all(torch.isfinite(log_prob.grad))
+    assert metrics["actor/sat_nan_frac"] == pytest.approx(1 / mask.sum().item())
+    # SAT's own metrics (ppo_kl is the raw log-ratio's, as gspo's: -inf with an lp_old of -inf)
+    assert all(math.isfinite(value) for key, value in metrics.items() if key.startswith("actor/sat_"))
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("loss_mode, granularity, nominal_mode", RULES)
+def test_no_active_tokens_is_a_finite_zero_on_the_graph(loss_mode, granularity, nominal_mode, agg):
+    old, new, advantages, mask = _stale_batch(5)
+    log_prob = new.clone().requires_grad_(True)
+    config = _actor_config(loss_mode, agg, **_rule_keys(granularity, "inverted_cdf"))
+    loss, metrics = get_policy_loss_fn(loss_mode)(old, log_prob, advantages, torch.zeros_like(mask), agg, config)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.all(log_prob.grad == 0)
+    assert metrics["actor/sat_gate_rate"] == 0.0 and all(math.isfinite(value) for value in metrics.values())
+
+
+def test_structurally_empty_gate_warns_once(monkeypatch, caplog):
+    """Sequence scores in micro-batches of 2 sequences cannot gate at alpha = 0.9 (each sequence holds more than
+    1 - alpha of the tokens): ``actor/sat_structurally_empty_frac`` is 1 and the process warns once, naming the keys."""
+    monkeypatch.setattr(core_algos, "INERT_MONITOR", sat_inert.InertSatMonitor())
+    old, new, advantages, mask = _stale_batch(6, batch=2)
+    config = _actor_config("sat_gspo", "seq-mean-token-mean", sat_quantile=0.9)
+    with caplog.at_level(logging.WARNING, logger=sat_inert.__name__):
+        for _ in range(2 * sat_inert.FALLBACK_WINDOW_CALLS):
+            _, metrics = get_policy_loss_fn("sat_gspo")(old, new, advantages, mask, "seq-mean-token-mean", config)
+            assert metrics["actor/sat_structurally_empty_frac"] == 1.0 and metrics["actor/sat_gate_rate"] == 0.0
+    warnings = [r.getMessage() for r in caplog.records if r.name == sat_inert.__name__]
+    assert len(warnings) == 1 and "sat_granularity=token" in warnings[0]
 
 
 def test_sat_keys_are_validated_and_named():
