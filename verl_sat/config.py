@@ -30,6 +30,7 @@ from verl.workers.config import EngineRouterReplayConfig, PolicyLossConfig
 from verl_sat.sat_math import SatParams, check_sat_params
 
 SAT_KEY_FORMAT = "actor_rollout_ref.actor.policy_loss.sat.{}"  # how errors name a SAT key
+VERL_FLAT_KEY = "sat_{}"  # the PolicyLossConfig field of a SAT key in a verl that ships SAT (the core pull request)
 
 
 @dataclass
@@ -57,6 +58,11 @@ class SatPolicyLossConfig(PolicyLossConfig):
         # BaseConfig fields are frozen after __init__; the conversion happens once, here.
         object.__setattr__(self, "sat", as_sat_config(self.sat))
         check_sat_params(self.sat, SAT_KEY_FORMAT, self.loss_mode)
+        # a verl that ships SAT reads flat sat_<name> keys of its PolicyLossConfig (verl_sat.verl_own_losses): the
+        # nested block sets them, so the recipes' keys act on verl's losses
+        for f in fields(SatParams):
+            if VERL_FLAT_KEY.format(f.name) in self.__dataclass_fields__:
+                object.__setattr__(self, VERL_FLAT_KEY.format(f.name), getattr(self.sat, f.name))
         from verl_sat.mismatch import install
 
         install(self.loss_mode)

@@ -28,6 +28,10 @@ from verl.workers.config import ActorConfig
 from verl_sat.config import SAT_KEY_FORMAT, sat_params_of
 from verl_sat.inert_sat import INERT_MONITOR
 from verl_sat.sat_math import SatSurrogate, sat_gspo_surrogate, sat_token_surrogate
+from verl_sat.verl_own_losses import keep_verl_own, verl_own
+
+# where verl already registers sat / sat_gspo (the core pull request), its own stay registered (bottom of this module)
+_VERL_OWN = verl_own()
 
 
 @register_policy_loss("sat")  # type: ignore[arg-type]
@@ -163,3 +167,6 @@ def _sat_aggregate(
         "actor/ppo_kl": ppo_kl,
         "actor/pg_clipfrac_lower": dual_clipped,
     }
+
+
+keep_verl_own(_VERL_OWN)

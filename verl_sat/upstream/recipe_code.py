@@ -98,21 +98,49 @@ COMPAT = f'''\
 
 verl gets the ``sat`` and ``sat_gspo`` policy losses with ``PolicyLossConfig``'s flat ``sat_*`` keys, and routing
 replay (R3) in its FSDP engine, from the pull request "[algo] feat: SAT ..." and "[fsdp] feat: rollout routing replay
-(R3) ...". Until verl has them, ``{FALLBACK}/`` holds the same code. The recipe's YAML names ``SatPolicyLossConfig``
-and ``FSDPRouterReplayConfig`` as ``_target_``, so every worker that builds the actor config imports this module: with
-the fallback that registers the losses, and a router-replay config built with ``mode=R3`` installs the fallback's FSDP
-engine in that process. Importing it also registers the recipe's OmegaConf resolvers (``resolvers.py``).
+(R3) ...". Until verl has them, ``{FALLBACK}/`` holds the same code. verl's losses are recognised by where the
+registered functions come from, so the fallback never registers over verl's own. The recipe's YAML names
+``SatPolicyLossConfig`` and ``FSDPRouterReplayConfig`` as ``_target_``, so every worker that builds the actor config
+imports this module: with the fallback that registers the losses, and a router-replay config built with ``mode=R3``
+installs the fallback's FSDP engine in that process. Importing it also registers the recipe's OmegaConf resolvers (``resolvers.py``).
 """
+
+import logging
+
+from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
 from .resolvers import register_resolvers
 
-try:  # verl with the core pull request's SAT losses
-    from verl.workers.config.actor import SAT_KEY_FORMAT, sat_params_of
-except ImportError:  # verl 0.9.1: the recipe's copy; importing its losses registers them
+logger = logging.getLogger(__name__)
+
+SAT_LOSSES = ("sat", "sat_gspo")
+# verl's own SAT losses: registered functions that come from verl's package, whatever verl names its helpers; the
+# recipe never registers its copy over them
+VERL_SAT_LOSSES = {{
+    name: loss
+    for name in SAT_LOSSES
+    if (loss := POLICY_LOSS_REGISTRY.get(name)) is not None and loss.__module__.split(".")[0] == "verl"
+}}
+
+if len(VERL_SAT_LOSSES) == len(SAT_LOSSES):  # verl with the core pull request's SAT losses
+    from verl.workers.config import PolicyLossConfig as SatPolicyLossConfig
+
+    try:
+        from verl.workers.config.actor import SAT_KEY_FORMAT, sat_params_of
+    except ImportError:  # verl named its helpers otherwise: the fallback's reader of the same flat sat_* keys
+        from .{FALLBACK}.config import SAT_KEY_FORMAT, sat_params_of
+    logger.warning(
+        "verl registers its own SAT policy losses (%s): the recipe uses verl's, not its fallback copy",
+        ", ".join(f"{{name}}: {{loss.__module__}}.{{loss.__qualname__}}" for name, loss in VERL_SAT_LOSSES.items()),
+    )
+elif VERL_SAT_LOSSES:
+    raise ImportError(
+        f"verl registers {{sorted(VERL_SAT_LOSSES)}} but not all of {{list(SAT_LOSSES)}}: the recipe cannot mix "
+        "verl's SAT losses with its fallback copy"
+    )
+else:  # verl 0.9.1: the recipe's copy; importing its losses registers them
     from .{FALLBACK} import losses  # noqa: F401
     from .{FALLBACK}.config import SAT_KEY_FORMAT, SatPolicyLossConfig, sat_params_of
-else:
-    from verl.workers.config import PolicyLossConfig as SatPolicyLossConfig
 
 try:  # verl with the core pull request's routing replay in the FSDP engine
     from verl.models.transformers.router_replay import RoutingReplay  # noqa: F401
@@ -125,6 +153,17 @@ __all__ = ["FSDPRouterReplayConfig", "SAT_KEY_FORMAT", "SatPolicyLossConfig", "s
 
 register_resolvers()
 '''
+# the fallback's losses are imported only where verl registers no SAT losses of its own (compat.py decides), so the
+# plugin's guard that keeps verl's own registered is left out
+LOSSES_EDITS = (
+    ("from verl_sat.verl_own_losses import keep_verl_own, verl_own\n", ""),
+    (
+        "\n# where verl already registers sat / sat_gspo (the core pull request), its own stay registered (bottom of "
+        "this module)\n_VERL_OWN = verl_own()\n",
+        "",
+    ),
+    ("\n\nkeep_verl_own(_VERL_OWN)\n", "\n"),
+)
 FALLBACK_INIT = '''\
 """The core pull request's SAT losses and FSDP routing replay for verl 0.9.1, generated from the same source as the
 pull request; ``recipe.sat.compat`` imports each piece only where verl lacks it."""
@@ -170,7 +209,7 @@ def recipe_code() -> dict[str, str]:
         f"{FALLBACK}/sat_math.py": standalone_source(verl_sat.sat_math),
         f"{FALLBACK}/inert_sat.py": standalone_source(verl_sat.inert_sat),
         f"{FALLBACK}/routing_replay.py": standalone_source(verl_sat.routing_replay),
-        f"{FALLBACK}/losses.py": module_copy(verl_sat.losses, FALLBACK),
+        f"{FALLBACK}/losses.py": module_copy(verl_sat.losses, FALLBACK, edits=LOSSES_EDITS),
         f"{FALLBACK}/fsdp_engine.py": module_copy(verl_sat.fsdp_engine, FALLBACK),
         f"{FALLBACK}/config.py": _fallback_config(),
     }

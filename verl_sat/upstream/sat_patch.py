@@ -33,6 +33,7 @@ from dataclasses import MISSING, fields
 import verl_sat.inert_sat
 import verl_sat.losses
 import verl_sat.sat_math
+from verl_sat.config import VERL_FLAT_KEY
 from verl_sat.sat_math import SatParams
 from verl_sat.upstream.edit import (
     UpstreamDriftError,
@@ -50,7 +51,9 @@ SAT_INERT = "verl/trainer/ppo/sat_inert.py"
 CORE_ALGOS = "verl/trainer/ppo/core_algos.py"
 ACTOR_CONFIG = "verl/workers/config/actor.py"
 ACTOR_YAML = "verl/trainer/config/actor/actor.yaml"
-FLAT_PREFIX = "sat_"  # verl's flat key of SatParams field `name` is `sat_<name>`
+FLAT_PREFIX = VERL_FLAT_KEY.format("")  # verl's flat key of SatParams field `name` is `sat_<name>`
+# imports of verl_sat/losses.py that only its module-level code uses (not copied): keeping verl's own losses registered
+PLUGIN_ONLY_MODULES = ("verl_sat.verl_own_losses",)
 PLUGIN_KEY = "actor_rollout_ref.actor.policy_loss.sat.{}"
 UPSTREAM_KEY = "actor_rollout_ref.actor.policy_loss." + FLAT_PREFIX + "{}"
 WIDTH = 120  # verl's ruff line length
@@ -129,6 +132,8 @@ def _core_algos(text: str) -> str:
         node = ast.parse(statement).body[0]
         module = getattr(node, "module", None)
         names = [alias.asname or alias.name for alias in node.names]
+        if module in PLUGIN_ONLY_MODULES:
+            continue
         if module in MODULE_MAP:
             mapped.setdefault(MODULE_MAP[module], []).extend(names)
         elif module != "verl.trainer.ppo.core_algos" and not set(names) <= bound:
