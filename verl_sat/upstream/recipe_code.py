@@ -102,7 +102,8 @@ replay (R3) in its FSDP engine, from the pull request "[algo] feat: SAT ..." and
 registered functions come from, so the fallback never registers over verl's own. The recipe's YAML names
 ``SatPolicyLossConfig`` and ``FSDPRouterReplayConfig`` as ``_target_``, so every worker that builds the actor config
 imports this module: with the fallback that registers the losses, and a router-replay config built with ``mode=R3``
-installs the fallback's FSDP engine in that process. Importing it also registers the recipe's OmegaConf resolvers (``resolvers.py``).
+installs the fallback's FSDP engine in that process. Importing it also registers the recipe's OmegaConf resolvers
+(``resolvers.py``).
 """
 
 import logging
