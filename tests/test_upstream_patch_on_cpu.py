@@ -19,6 +19,7 @@ Python is formatted and lint-clean; a verl that moved the edited code makes gene
 import ast
 import email
 import email.policy
+import json
 import os
 import re
 import shutil
@@ -122,6 +123,41 @@ def test_patched_verl_passes_sat_r3_and_verls_tests_without_the_plugin(series, p
     summary = run.stdout.strip().splitlines()[-1]  # e.g. "37 passed, 5 warnings in 5.40s"
     passed = re.search(r"(\d+) passed", summary)
     assert passed and int(passed[1]) >= 30 and not re.search(r"failed|error|skipped", summary), summary
+
+
+PLUGIN_ON_PATCHED_VERL = """
+import json
+import verl  # loads verl-sat's plugin entry point
+from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+import verl_sat.losses
+from verl_sat.config import SatPolicyLossConfig
+config = SatPolicyLossConfig(loss_mode="sat_gspo", sat={"quantile": 0.8, "granularity": "token"})
+print(json.dumps({"verl": verl.__file__, "plugin": "verl_sat.plugin" in __import__("sys").modules,
+                  "losses": [POLICY_LOSS_REGISTRY[name].__module__ for name in ("sat", "sat_gspo")],
+                  "flat": [config.sat_quantile, config.sat_granularity]}))
+"""
+
+
+def test_plugin_never_shadows_verls_own_sat_losses(series, tmp_path):
+    """With verl-sat installed next to a verl that ships SAT (the core series applied): verl's registered losses stay
+    (the plugin recognises them by their module), the plugin says so once, and its nested ``sat`` keys set verl's flat
+    ``sat_*`` keys, which verl's losses read. On verl 0.9.1 (this interpreter) the plugin's losses are registered."""
+    _, _, tree = series
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    run = subprocess.run([sys.executable, "-c", PLUGIN_ON_PATCHED_VERL], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.splitlines()[-1])
+    assert report["verl"] == str(tree / "verl" / "__init__.py") and report["plugin"]
+    assert report["losses"] == ["verl.trainer.ppo.core_algos"] * 2
+    assert report["flat"] == [0.8, "token"]
+    assert run.stderr.count("verl registers its own SAT policy losses") == 1, run.stderr[-3000:]
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    from verl_sat.verl_own_losses import verl_own
+
+    assert [POLICY_LOSS_REGISTRY[name].__module__ for name in ("sat", "sat_gspo")] == ["verl_sat.losses"] * 2
+    assert verl_own() == {}
 
 
 def test_example_overrides_are_keys_of_the_patched_config(series, tmp_path):

@@ -19,6 +19,8 @@ cannot be imported, ``python -m recipe.sat.main ... --cfg job`` composes and pas
 keys and FSDP routing replay once the core series is applied to verl (``conftest.series``)."""
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -119,6 +121,32 @@ def test_recipe_uses_verls_own_losses_with_the_core_series(series, patched_repor
     assert run["code"] == 0, run["stderr"][-3000:]
     policy_loss = OmegaConf.create(run["stdout"]).actor_rollout_ref.actor.policy_loss
     assert policy_loss._target_ == f"{PACKAGE}.compat.SatPolicyLossConfig" and policy_loss.sat_quantile == 0.9
+
+
+def test_recipe_recognises_verls_losses_by_where_they_come_from(series, tmp_path):
+    """A verl whose core series named its helpers otherwise (``SAT_KEY_FORMAT`` and ``sat_params_of`` renamed all
+    through the package): the recipe still sees verl's registered ``sat`` / ``sat_gspo`` come from verl's package, keeps
+    them, never imports its fallback losses, says so once, and composes."""
+    _, _, tree = series
+    renamed_tree = tmp_path / "verl-renamed"
+    shutil.copytree(tree, renamed_tree, ignore=shutil.ignore_patterns("__pycache__", ".git"))
+    helpers = re.compile(r"\b(SAT_KEY_FORMAT|sat_params_of)\b")
+    touched = []
+    for path in (renamed_tree / "verl").rglob("*.py"):
+        text = path.read_text()
+        if helpers.search(text):
+            path.write_text(helpers.sub(lambda m: f"{m[1]}_v2", text))
+            touched.append(path.relative_to(renamed_tree).as_posix())
+    assert "verl/workers/config/actor.py" in touched and "verl/trainer/ppo/core_algos.py" in touched
+    report = run_recipe(renamed_tree, without_verl_sat(tmp_path / "block", renamed_tree), REVIEW_RUNS["separate_async"])
+    assert report["losses"] == ["verl.trainer.ppo.core_algos"] * 2
+    assert f"{PACKAGE}.fallback.losses" not in report["fallback_loaded"]
+    (run,) = report["runs"]
+    assert run["code"] == 0, run["stderr"][-3000:]
+    said = "verl registers its own SAT policy losses (sat: verl.trainer.ppo.core_algos.compute_policy_loss_sat"
+    assert run["stderr"].count(said) == 1, run["stderr"][-3000:]
+    policy_loss = OmegaConf.create(run["stdout"]).actor_rollout_ref.actor.policy_loss
+    assert policy_loss.sat_quantile == 0.9
 
 
 def test_what_the_recipe_cannot_carry_stops_generation_naming_the_file():

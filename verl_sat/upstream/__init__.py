@@ -123,9 +123,12 @@ def write_upstream(out: Path, repo: Path | None = None, verl_repo: Path | None =
     that its wheel lacks (``series.write_series``)."""
     repo = source_checkout() if repo is None else repo
     written = write_series(out / VERL_DIR, repo, PATCHES, verl_repo)
-    for number, patch in enumerate(PATCHES[1:], start=2):  # each as its own pull request (its own license line)
-        write_series(out / VERL_DIR / ALONE / str(number), repo, [patch], verl_repo)
+    alone = [  # each patch after the first as its own pull request (carrying its own license line)
+        path
+        for number, patch in enumerate(PATCHES[1:], start=2)
+        for path, _ in write_series(out / VERL_DIR / ALONE / str(number), repo, [patch], verl_repo)
+    ]
     pr = out / VERL_DIR / "PR.md"
     pr.write_text(pr_markdown(repo, written, [patch.subject for patch in PATCHES]))
     core_pr = f'(patches "{PATCHES[0].subject}" and "{PATCHES[1].subject}")'
-    return [path for path, _ in written] + [pr] + write_recipe(out / RECIPE_DIR, repo, core_pr)
+    return [path for path, _ in written] + alone + [pr] + write_recipe(out / RECIPE_DIR, repo, core_pr)

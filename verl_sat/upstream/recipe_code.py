@@ -163,7 +163,7 @@ LOSSES_EDITS = (
         "this module)\n_VERL_OWN = verl_own()\n",
         "",
     ),
-    ("\n\nkeep_verl_own(_VERL_OWN)\n", "\n"),
+    ("\n\nkeep_verl_own(_VERL_OWN)\n", ""),
 )
 FALLBACK_INIT = '''\
 """The core pull request's SAT losses and FSDP routing replay for verl 0.9.1, generated from the same source as the
