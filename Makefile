@@ -41,11 +41,14 @@ test: install
 # verl's own trainers on this CPU for a few steps, rolling out with verl's vLLM server on vLLM's CPU build
 # (separate_async: SAT-GSPO with FSDP routing replay on verl's default FSDP1 at paper lag 1 and its resume, GRPO at
 # paper lag 8; the sync trainer with float32 vLLM, checked after every weight sync; colocate_async with two FSDP ranks;
-# fully-async); checks and prints the SAT, R3, staleness, mismatch and reward metrics verl logged; then the engine
-# matrix
+# fully-async); checks and prints the SAT, R3, staleness, mismatch and reward metrics verl logged; then the recipe's
+# own training run, the bf16 R3 measurement, abort/resume, and the engine matrix
 e2e: install
 	$(VENV)/bin/verl-sat prepare --workdir $(WORKDIR) --if-needed
 	$(VENV)/bin/verl-sat e2e --workdir $(WORKDIR)
+	# the verl-recipe contribution trains: python -m recipe.sat.main from a folder laid out with recipe/sat, verl-sat's
+	# plugin off, its CPU layer on; the SAT loss and routing replay must come from the recipe, SAT must gate
+	$(PY) -m verl_sat.cpu.recipe_e2e --workdir $(WORKDIR)
 	# vLLM's CPU build on the prepared MoE in bfloat16: its log-probs against verl's actor, with and without routing
 	# replay of its routes (float32 is asserted by the suite; `--dtypes float32,bfloat16` measures both)
 	$(PY) -m verl_sat.cpu.vllm_r3 measure --model $(WORKDIR)/model --dtypes bfloat16

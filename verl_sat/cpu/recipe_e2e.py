@@ -36,6 +36,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from importlib.resources import files
 from pathlib import Path
 
@@ -100,7 +101,9 @@ def lay_out(folder: Path) -> tuple[Path, Path, Path]:
     """``folder/checkout/recipe/sat`` (the generated recipe), ``folder/layer`` (the CPU layer module and the CPU
     preset as a Hydra config folder); returns the checkout, the layer and the records file."""
     upstream = folder / "upstream"
-    write_upstream(upstream)
+    with warnings.catch_warnings():  # the core series' files from a verl repository checkout: not the recipe's
+        warnings.simplefilter("ignore")
+        write_upstream(upstream)
     checkout = folder / "checkout"
     shutil.copytree(upstream / RECIPE_DIR / RECIPE, checkout / "recipe" / RECIPE)
     layer = folder / "layer"
@@ -122,8 +125,8 @@ def command(workdir: Path, layer: Path, metrics: Path, checkpoints: Path, env: d
         f"trainer.total_training_steps={RUN.steps}", f"trainer.default_local_dir={checkpoints}",
         "trainer.project_name=verl_sat_e2e", f"trainer.experiment_name={RUN.folder_name}",
         f"hydra.run.dir={checkpoints.parent / 'hydra'}",
-        f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={metrics}",
-        *(f"+ray_kwargs.ray_init.runtime_env.env_vars.{key}={value}" for key, value in env.items()),
+        f"++ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={metrics}",
+        *(f"++ray_kwargs.ray_init.runtime_env.env_vars.{key}={value}" for key, value in env.items()),
     ]  # fmt: skip
 
 
