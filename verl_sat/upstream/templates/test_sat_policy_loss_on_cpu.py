@@ -27,8 +27,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import verl
-from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.trainer.ppo import core_algos, sat_inert
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.trainer.ppo.sat_math import SatParams, sat_gspo_surrogate, sat_token_surrogate
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config.actor import ActorConfig, PolicyLossConfig
