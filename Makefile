@@ -36,7 +36,7 @@ demo: $(STAMP)
 	$(VENV)/bin/verl-sat sweep --workdir $(WORKDIR) --name demo --recipes gspo_r3,sat_gspo_r3 --lags 8 --seeds 0 --jobs 2
 
 test: install
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q --durations=30
 
 # verl's own trainers on this CPU for a few steps, rolling out with verl's vLLM server on vLLM's CPU build
 # (separate_async: SAT-GSPO with FSDP routing replay on verl's default FSDP1 at paper lag 1 and its resume, GRPO at
