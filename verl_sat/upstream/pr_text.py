@@ -20,6 +20,7 @@ from pathlib import Path
 from verl_sat.recipe_catalog import PAPER_TABLE_1
 from verl_sat.upstream.edit import UpstreamDriftError
 from verl_sat.upstream.sat_patch import key_mapping
+from verl_sat.upstream.series import DOCS_INDEX
 
 RESULTS = "docs/images/results/results.json"
 UPSTREAM_TESTS = (
@@ -127,8 +128,17 @@ def pr_markdown(repo: Path, patches: list[tuple[Path, list[str]]], subjects: lis
         "The patches are generated from verl-sat's source (`verl-sat upstream --out DIR`): the SAT math module and",
         "the model-level routing replay are copied as they are, the loss functions and the FSDP engine hooks are",
         "copied from the plugin's, and the config fields and YAML keys come from the plugin's hyperparameter",
-        "dataclass. Add `docs/algo/sat.md` to the toctree of `docs/index.rst` (not in the wheel, so not patched).",
+        "dataclass.",
         "",
+        *(
+            []
+            if any(DOCS_INDEX in changed for _, changed in patches)
+            else [
+                "Add `docs/algo/sat.md` to the toctree of `docs/index.rst` (generated without a verl checkout,",
+                "so not patched).",
+                "",
+            ]
+        ),  # fmt: skip
         "### Test",
         "",
         "Applied to verl 0.9.1's installed package with `git apply`, these pass in a fresh interpreter without",
@@ -141,7 +151,10 @@ def pr_markdown(repo: Path, patches: list[tuple[Path, list[str]]], subjects: lis
         f"In a verl checkout: `git am --keep-non-patch {am_args}`, then",
         "`pre-commit run --all-files` (its `autogen-trainer-cfg` hook regenerates",
         "`verl/trainer/config/_generated_*.yaml`, which the patches already carry) and verl's CPU tests",
-        "(`pytest tests/**/*_on_cpu.py`).",
+        "(`pytest tests/**/*_on_cpu.py`). The series, and each of patches 2-4 applied alone, passes offline the",
+        "checks verl's CI runs on a pull request: every pre-commit hook (ruff 0.12.2, mypy 1.17.0, the local",
+        "hooks), `tests/special_sanity` and `validate_imported_docs.py`, the Sphinx build as `doc.yml` judges it,",
+        "`type_coverage_check.py`, `check_api_docs.py verl`, and the PR-title and description checks.",
         "",
         "### Checklist Before Submitting",
         "",
