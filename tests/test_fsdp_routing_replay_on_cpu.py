@@ -112,6 +112,24 @@ def _engine_micro_batch(model, lengths):
     return left_right_2_no_padding(data)
 
 
+def _r3_engine(model) -> RoutingReplayFSDPEngine:
+    engine = RoutingReplayFSDPEngine.__new__(RoutingReplayFSDPEngine)  # only what the R3 code path reads
+    engine.engine_config = OmegaConf.create({"router_replay": {"mode": "R3"}})
+    engine.module, engine.use_ulysses_sp = model, False
+    return engine
+
+
+def _armed_forward(engine, model, micro_batch, pad: int, packed_ids, position_ids) -> ExpertsSpy:
+    """The engine arms ``micro_batch``'s routes, the model runs the packed forward; the experts each layer used."""
+    spy = ExpertsSpy(model)
+    engine._prepare_router_replay_inputs(micro_batch, {"pad_size": pad})
+    with torch.no_grad():
+        model(input_ids=packed_ids, position_ids=position_ids)
+    engine._end_router_replay()
+    spy.close()
+    return spy
+
+
 def test_micro_batch_routes_pad_rows_and_layout():
     model = tiny_moe("qwen3_moe").eval()
     micro_batch = _engine_micro_batch(model, [5, 7, 3])
@@ -129,9 +147,7 @@ def test_engine_replays_the_rollout_routes_on_the_packed_micro_batch():
     model = tiny_moe("qwen3_moe").eval()
     lengths, pad = [5, 7, 3], 2
     micro_batch = _engine_micro_batch(model, lengths)
-    engine = RoutingReplayFSDPEngine.__new__(RoutingReplayFSDPEngine)  # only what the R3 code path reads
-    engine.engine_config = OmegaConf.create({"router_replay": {"mode": "R3"}})
-    engine.module, engine.use_ulysses_sp = model, False
+    engine = _r3_engine(model)
     packed_ids = torch.cat([micro_batch["input_ids"].values(), torch.zeros(pad, dtype=torch.long)]).unsqueeze(0)
     position_ids = torch.cat([torch.arange(n) for n in lengths] + [torch.arange(pad)]).unsqueeze(0)
     nnz = sum(lengths)
@@ -140,12 +156,7 @@ def test_engine_replays_the_rollout_routes_on_the_packed_micro_batch():
     with torch.no_grad():
         model(input_ids=packed_ids, position_ids=position_ids)
     native_spy.close()
-    spy = ExpertsSpy(model)
-    engine._prepare_router_replay_inputs(micro_batch, {"pad_size": pad})
-    with torch.no_grad():
-        model(input_ids=packed_ids, position_ids=position_ids)
-    engine._end_router_replay()
-    spy.close()
+    spy = _armed_forward(engine, model, micro_batch, pad, packed_ids, position_ids)
 
     rollout_routes = micro_batch["routed_experts"].values().long()
     for layer in (0, 2):  # layer 1 is dense
@@ -172,15 +183,8 @@ def test_engine_honours_verls_per_call_routing_replay_flag():
         if packed_ids is None:
             packed_ids = torch.cat([micro_batch["input_ids"].values(), torch.zeros(pad, dtype=torch.long)])[None]
             position_ids = torch.cat([torch.arange(n) for n in lengths] + [torch.arange(pad)]).unsqueeze(0)
-        engine = RoutingReplayFSDPEngine.__new__(RoutingReplayFSDPEngine)
-        engine.engine_config = OmegaConf.create({"router_replay": {"mode": "R3"}})
-        engine.module, engine.use_ulysses_sp = model, False
-        spy = ExpertsSpy(model)
-        engine._prepare_router_replay_inputs(micro_batch, {"pad_size": pad})
-        with torch.no_grad():
-            model(input_ids=packed_ids, position_ids=position_ids)
-        engine._end_router_replay()
-        spy.close()
+        engine = _r3_engine(model)
+        spy = _armed_forward(engine, model, micro_batch, pad, packed_ids, position_ids)
         metrics = {}
         engine._add_router_replay_metrics(metrics)
         outputs[flag] = (spy.used["model.layers.0.mlp.experts"][: sum(lengths)], metrics)
@@ -196,9 +200,7 @@ def test_missing_routes_is_a_clear_error():
     model = tiny_moe("mixtral")
     micro_batch = _engine_micro_batch(model, [4, 4])
     del micro_batch["routed_experts"]
-    engine = RoutingReplayFSDPEngine.__new__(RoutingReplayFSDPEngine)
-    engine.engine_config = OmegaConf.create({"router_replay": {"mode": "R3"}})
-    engine.module, engine.use_ulysses_sp = model, False
+    engine = _r3_engine(model)
     try:
         engine._prepare_router_replay_inputs(micro_batch, {"pad_size": 0})
     except RuntimeError as err:
