@@ -145,7 +145,8 @@ def test_the_warning_names_the_keys_after_several_inert_optimizer_steps(caplog):
             monitor.observe(1.0, 8.0, info, 0.9, KEY_FORMAT)
         assert len(caplog.records) == 1  # once per process
     message = caplog.records[0].getMessage()
-    assert "SAT could not gate in 11 of the last 12 micro-batches (8.0 sequences per micro-batch)" in message
+    assert "SAT could not act in 11 of the last 12 micro-batches (8.0 sequences per micro-batch)" in message
+    assert "its gate was structurally empty" in message and "could not gate" not in message
     assert "1 - actor_rollout_ref.actor.policy_loss.sat.quantile = 0.1 of the micro-batch's units" in message
     for key in ("actor_rollout_ref.actor.policy_loss.sat.granularity=token",
                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
@@ -168,7 +169,7 @@ def test_the_losses_feed_the_process_monitor(monkeypatch):
     """verl's registered losses report every micro-batch to the process's monitor, with the values they log and the
     config's global batch info."""
     seen = []
-    monkeypatch.setattr(inert_sat.INERT_MONITOR, "observe", lambda *args: seen.append(args))
+    monkeypatch.setattr(inert_sat.INERT_MONITOR, "observe", lambda *args, **kwargs: seen.append(args))
     log_prob, old, adv, mask = _micro_batch(4, 1)
     for loss in ("sat_gspo", "sat"):
         config = _actor_config(loss, "sequence")
@@ -176,3 +177,31 @@ def test_the_losses_feed_the_process_monitor(monkeypatch):
         get_policy_loss_fn(loss)(old, log_prob, adv, mask, "token-mean", config)
     info = {"global_batch_size": 64, "dp_size": 2, "batch_num_tokens": int(mask.sum()) * 2}
     assert seen == [(1.0, 4.0, info, 0.9, KEY_FORMAT), (0.0, 4.0, info, 0.9, KEY_FORMAT)]
+
+
+def test_radius_check_is_beyond_only_when_q_lies_past_both_ends_and_nothing_was_intercepted():
+    """The radius in log-ratio space is the nearer end, min(log(1 + clip_high), -log(1 - clip_low))."""
+    ratio, beyond = inert_sat.radius_check(0.0073, 12.0, 0.0, 3e-4, 4e-4)  # verl #7356: q 18-23x the radius
+    assert ratio == pytest.approx(0.0073 / min(math.log1p(4e-4), -math.log1p(-3e-4)))
+    assert 18 < ratio < 25 and beyond == 1.0
+    assert inert_sat.radius_check(0.0073, 12.0, 1.0, 3e-4, 4e-4)[1] == 0.0  # something was intercepted
+    assert inert_sat.radius_check(0.0073, 0.0, 0.0, 3e-4, 4e-4)[1] == 0.0  # nothing gated
+    assert inert_sat.radius_check(0.0073, 12.0, 0.0, 0.2, 0.2) == pytest.approx((0.0073 / math.log1p(0.2), 0.0))
+    # between the two ends: the far side can still be intercepted
+    assert inert_sat.radius_check(3.5e-4, 12.0, 0.0, 3e-4, 4e-4)[1] == 0.0
+
+
+def test_the_radius_warning_names_the_keys_and_the_papers_radius_once(caplog):
+    monitor = inert_sat.InertSatMonitor()
+    with caplog.at_level(logging.WARNING, logger=inert_sat.__name__):
+        for _ in range(2 * inert_sat.FALLBACK_WINDOW_CALLS):
+            monitor.observe(0.0, 16.0, None, 0.9, KEY_FORMAT, beyond_radius=1.0, q_over_radius=20.0,
+                            radii=(3e-4, 4e-4))  # fmt: skip
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert message.startswith("SAT gated but could not act in 32 of the last 32 micro-batches")
+    for text in ("20 times the clip radius", "actor_rollout_ref.actor.clip_ratio_low=0.0003",
+                 "actor_rollout_ref.actor.clip_ratio_high=0.0004", "clip_ratio_low = clip_ratio_high = 0.2",
+                 "actor/sat_beyond_radius"):  # fmt: skip
+        assert text in message
+    assert not monitor.warned  # the structural warning is a separate one

@@ -150,6 +150,39 @@ def test_every_row_logs_the_token_mismatch_against_the_rollout(loss_mode, mode, 
     assert "actor/mismatch_abs_log_ratio" not in direct[1]  # outside verl's ppo_loss: no metric, no read
 
 
+@pytest.mark.parametrize("radii, fires", [((3e-4, 4e-4), True), ((0.2, 0.2), False)])
+def test_sat_gspo_says_when_its_quantile_lies_beyond_the_clip_radius(monkeypatch, caplog, radii, fires):
+    """verl #7356's setting through verl's ppo_loss: SAT-GSPO at GSPO's usual clip_ratio_low/high = 3e-4 / 4e-4 gates
+    but its q lies far beyond the radius, so it intercepts nothing: actor/sat_beyond_radius is 1 at every call and
+    one warning names the keys and the paper's 0.2. At the paper's radii the same micro-batches give neither."""
+    import logging
+
+    from verl_sat import inert_sat, losses
+
+    monkeypatch.setattr(losses, "INERT_MONITOR", inert_sat.InertSatMonitor())
+    low, high = radii
+    config = actor_config(
+        f"actor_rollout_ref.actor.clip_ratio_low={low}",
+        f"actor_rollout_ref.actor.clip_ratio_high={high}",
+        *sat_overrides("sat_gspo", "sequence", "+actor_rollout_ref.actor.policy_loss.sat.quantile=0.5"),
+        loss_mode="sat_gspo",
+    )
+    stale = make_stale_batch(21, num_prompts=3, group=2, length=MAX_RESPONSE)
+    data, response_mask = _engine_batch(stale.old_log_prob, stale.advantages)
+    with caplog.at_level(logging.WARNING, logger=inert_sat.__name__):
+        for _ in range(2 * inert_sat.WINDOW_STEPS):  # two windows of 3 optimizer steps (one micro-batch each)
+            _, metrics = ppo_loss(config, {"log_probs": _nested_log_probs(stale.fresh_log_prob(), response_mask)}, data)
+            assert metrics["actor/sat_gate_rate"].aggregate() > 0
+            assert metrics["actor/sat_beyond_radius"].aggregate() == float(fires)
+            assert (metrics["actor/sat_q_over_radius"].aggregate() > 1) == fires
+    warned = [r.getMessage() for r in caplog.records if r.name == inert_sat.__name__]
+    if fires:
+        assert len(warned) == 1 and "actor_rollout_ref.actor.clip_ratio_low=0.0003" in warned[0]
+        assert "clip_ratio_low = clip_ratio_high = 0.2" in warned[0]
+    else:
+        assert warned == []
+
+
 def test_pinned_where_verls_actor_worker_binds_ppo_loss():
     """The wrapper works because verl's worker imports ``ppo_loss`` by name and binds it after building the actor
     config; fails when verl 0.9.1's code changes."""

@@ -26,7 +26,7 @@ from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 from verl.workers.config import ActorConfig
 
 from verl_sat.config import SAT_KEY_FORMAT, sat_params_of
-from verl_sat.inert_sat import INERT_MONITOR
+from verl_sat.inert_sat import INERT_MONITOR, radius_check
 from verl_sat.sat_math import SatSurrogate, sat_gspo_surrogate, sat_token_surrogate
 from verl_sat.verl_own_losses import keep_verl_own, verl_own
 
@@ -148,7 +148,10 @@ def _sat_aggregate(
     read = torch.stack(values).tolist()  # the one host read
     q, gate_sum, abs_sum, lower_shrink, upper_shrink, max_shrink, empty, sequences = read[:8]
     ppo_kl, units, active, nan, *counts = read[8:]
-    INERT_MONITOR.observe(empty, sequences, config.global_batch_info, quantile, SAT_KEY_FORMAT)
+    q_over_radius, beyond_radius = radius_check(q, gate_sum, counts[0], clip_low, clip_high)
+    radii = (clip_low, clip_high)
+    INERT_MONITOR.observe(empty, sequences, config.global_batch_info, quantile, SAT_KEY_FORMAT,
+                          beyond_radius=beyond_radius, q_over_radius=q_over_radius, radii=radii)  # fmt: skip
     per_unit, per_token = 1.0 / max(units, 1.0), 1.0 / max(active, 1.0)
     intercepted, clipped, dual_clipped = (count * per_token for count in counts)
     return pg_loss, {
@@ -162,6 +165,8 @@ def _sat_aggregate(
         "actor/sat_structurally_empty_frac": empty,
         "actor/sat_seqs_per_micro_batch": sequences,
         "actor/sat_intercepted_frac": intercepted,
+        "actor/sat_q_over_radius": q_over_radius,
+        "actor/sat_beyond_radius": beyond_radius,
         "actor/sat_nan_frac": nan / max(active + nan, 1.0),
         "actor/pg_clipfrac": clipped,
         "actor/ppo_kl": ppo_kl,
