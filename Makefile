@@ -66,9 +66,10 @@ bench: install
 	$(PY) benchmarks/bench_embedded.py --workdir $(WORKDIR)
 
 # generated from this package: SAT and FSDP routing replay as a patch series against verl 0.9.1 plus PR.md (verl/),
-# and the sat/ recipe for verl-recipe plus PR.md (verl-recipe/)
+# and the sat/ recipe for verl-recipe plus PR.md (verl-recipe/); with VERL_REPO=<a verl checkout> the series also edits
+# verl's license-header list and docs toctree, which the wheel lacks
 upstream: install
-	$(VENV)/bin/verl-sat upstream --out $(WORKDIR)/upstream
+	$(VENV)/bin/verl-sat upstream --out $(WORKDIR)/upstream $(if $(VERL_REPO),--verl-repo $(VERL_REPO))
 
 # verl's and verl-recipe's pull-request CI, offline, on both contributions (verl_sat/upstream/ci_check.py): a verl 0.9.1
 # checkout stood up from VERL_REPO's files and the installed wheel, the series applied (and each standalone patch
