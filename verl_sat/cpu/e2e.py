@@ -159,8 +159,8 @@ def run_e2e(workdir: Path, runs: tuple[E2ERun, ...] = RUNS, out: Path | None = N
             metrics_path, log_path = folder / f"metrics{suffix}.jsonl", folder / f"log{suffix}.txt"
             metrics_path.unlink(missing_ok=True)
             started = time.monotonic()
-            phase_peak = _run(command(workdir, run, total, metrics_path, checkpoints), log_path, metrics_path,
-                              total - done, f"{run.folder_name}{suffix}")  # fmt: skip
+            cmd = command(workdir, run, total, metrics_path, checkpoints)
+            phase_peak = run_with_progress(cmd, log_path, metrics_path, total - done, f"{run.folder_name}{suffix}")
             seconds, peak = seconds + time.monotonic() - started, max(peak, phase_peak)
             logged = read_metrics(metrics_path)
             if suffix == "_resume":
@@ -184,12 +184,13 @@ def fresh_folder(folder: Path) -> Path:
     return folder
 
 
-def _run(cmd: list[str], log_path: Path, metrics_path: Path, total: int, label: str) -> int:
+def run_with_progress(cmd: list[str], log_path: Path, metrics_path: Path, total: int, label: str,
+                      env: dict[str, str] | None = None, cwd: Path | None = None) -> int:  # fmt: skip
     """Run ``cmd`` with its output in ``log_path``, a progress bar over the ``total`` trainer steps this invocation
     runs (as verl logs them), and the
     peak memory of the whole process tree (Ray's processes included); fail naming the log."""
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         peak = _PeakMemory(proc.pid)
         with tqdm(total=total, desc=label, unit="step") as bar:
             while proc.poll() is None:

@@ -47,11 +47,11 @@ from verl_sat.cpu.e2e import (
     SAT_METRICS,
     E2EFailed,
     E2ERun,
-    _run,
     check_sat_acted,
     format_results,
     fresh_folder,
     read_metrics,
+    run_with_progress,
 )
 from verl_sat.upstream import RECIPE_DIR, write_upstream
 from verl_sat.upstream.recipe_names import PACKAGE, RECIPE
@@ -143,21 +143,10 @@ def run_recipe_e2e(workdir: Path) -> dict[str, dict]:
         "VERL_LOGGING_LEVEL": "WARN",
         RECORDS_ENV: str(records),
     }
-    saved = dict(os.environ)
-    os.environ.update(env)
-    try:
-        started = time.monotonic()
-        previous = Path.cwd()
-        os.chdir(checkout)
-        try:
-            peak = _run(command(workdir, layer, metrics, folder / "checkpoints", env), log, metrics, RUN.steps,
-                        RUN.folder_name)  # fmt: skip
-        finally:
-            os.chdir(previous)
-        seconds = time.monotonic() - started
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    started = time.monotonic()
+    peak = run_with_progress(command(workdir, layer, metrics, folder / "checkpoints", env), log, metrics, RUN.steps,
+                             RUN.folder_name, env={**os.environ, **env}, cwd=checkout)  # fmt: skip
+    seconds = time.monotonic() - started
     steps = read_metrics(metrics)
     missing = [key for key in RUN.required if not any(key in step for step in steps.values())]
     if missing:

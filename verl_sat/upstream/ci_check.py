@@ -217,13 +217,13 @@ def _run(command: list[str] | str, cwd: Path, env: dict[str, str], timeout: int 
     return proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:], time.monotonic() - start
 
 
-def _path_env(envs: Environments, tree: Path, python_bin: Path | None) -> dict[str, str]:
-    """``python3`` is ``python_bin``'s (a tools venv, or this interpreter's folder); the checkout is importable as
-    ``pip install --no-deps -e .`` makes it; verl-sat's plugin is blocked."""
+def _check_env(envs: Environments, tree: Path, extra: dict[str, str]) -> dict[str, str]:
+    """A check's environment: the checkout importable as ``pip install --no-deps -e .`` makes it, verl-sat's plugin
+    blocked, ``extra``'s variables set (its ``PATH``, a folder whose ``python3`` the check runs, goes in front)."""
     path = os.environ.get("PATH", "/usr/bin:/bin")
-    if python_bin is not None:
-        path = f"{python_bin}{os.pathsep}{path}"
-    return {**os.environ, "PATH": path, "PYTHONPATH": f"{tree}{os.pathsep}{envs.block}",
+    if "PATH" in extra:
+        path = f"{extra['PATH']}{os.pathsep}{path}"
+    return {**os.environ, **extra, "PATH": path, "PYTHONPATH": f"{tree}{os.pathsep}{envs.block}",
             "VERL_USE_EXTERNAL_PLUGINS": "none", "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
 
 
@@ -333,11 +333,7 @@ def verl_checks(
 def run_verl_checks(name: str, tree: Path, envs: Environments, title: str, body: str, out: Path) -> list[Result]:
     results = []
     for check, source, command, extra in verl_checks(tree, envs, title, body, out, narrow=name != BASELINE):
-        env = _path_env(envs, tree, None)
-        if "PATH" in extra:
-            env["PATH"] = f"{extra['PATH']}{os.pathsep}{env['PATH']}"
-        env.update({key: value for key, value in extra.items() if key != "PATH"})
-        passed, tail, seconds = _run(command, tree, env)
+        passed, tail, seconds = _run(command, tree, _check_env(envs, tree, extra))
         shown = command if isinstance(command, str) else shlex.join(command[:6]) + (" ..." if len(command) > 6 else "")
         results.append(Result(name, check, source, shown, passed, round(seconds, 1), "" if passed else tail))
         print(f"  {name:>14} {check:<26} {'pass' if passed else 'FAIL'} ({seconds:.0f} s)", flush=True)

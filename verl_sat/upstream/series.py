@@ -95,20 +95,20 @@ def write_series(
     with tempfile.TemporaryDirectory(prefix="verl-sat-upstream-") as tmp:
         work = Path(tmp) / "verl"
         _base_tree(site, work, {path for patch in patches for path in patch.edits})
-        for path in REPO_FILES:
-            if verl_repo is not None and (verl_repo / path).is_file():
-                (work / path).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(verl_repo / path, work / path)
-            else:
-                missing = f"no {path} (pass --verl-repo with a verl checkout): the series leaves it as it is"
-                warnings.warn(f"{missing}, and verl's check-license hook or docs build fails", stacklevel=2)
+        missing = [path for path in REPO_FILES if verl_repo is None or not (verl_repo / path).is_file()]
+        for path in sorted(set(REPO_FILES) - set(missing)):
+            (work / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(verl_repo / path, work / path)
+        if missing:
+            left = f"no {', '.join(missing)} (pass --verl-repo, a verl checkout): the series leaves them as they are"
+            warnings.warn(f"{left}, and verl's check-license hook and docs build fail on it", stacklevel=2)
         git = _git(work, Path(tmp))
         git("init", "-q")
         git("add", "-A")
         git("commit", "-q", "-m", f"verl {VERL_VERSION} (the files this series touches)")
         changed_paths = []
         for patch in patches:
-            changed = _with_license(patch.changes(lambda path: _read(work, path), repo), work)
+            changed = _with_repo_conventions(patch.changes(lambda path: _read(work, path), repo), work)
             for path, text in changed.items():
                 (work / path).parent.mkdir(parents=True, exist_ok=True)
                 (work / path).write_text(text)
@@ -122,7 +122,7 @@ def write_series(
     return list(zip(sorted(out.glob("*.patch")), changed_paths, strict=True))
 
 
-def _with_license(changed: dict[str, str], work: Path) -> dict[str, str]:
+def _with_repo_conventions(changed: dict[str, str], work: Path) -> dict[str, str]:
     """``changed`` with ``UPSTREAM_HEADER`` on new Python files (the first of them registers its line with verl's
     license check) and each new ``docs/algo/`` page in the algorithms' toctree, where the base tree has those files."""
     changed = dict(changed)
