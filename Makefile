@@ -44,9 +44,9 @@ test: install
 	$(PY) -m pytest tests -q --durations=30 $(addprefix --deselect ,$(E2E_SUITE_TESTS))
 
 # verl's own trainers on this CPU for a few steps, rolling out with verl's vLLM server on vLLM's CPU build
-# (separate_async: SAT-GSPO with FSDP routing replay on verl's default FSDP1 at paper lag 1 and its resume, GRPO at
-# paper lag 8; the sync trainer with float32 vLLM, checked after every weight sync; colocate_async with two FSDP ranks;
-# fully-async); checks and prints the SAT, R3, staleness, mismatch and reward metrics verl logged; then the recipe's
+# (separate_async: SAT-GSPO with FSDP routing replay on verl's default FSDP1 in its default bf16 mixed precision at
+# paper lag 1 and its resume, GRPO at paper lag 8; the sync trainer with float32 vLLM, checked after every weight
+# sync; colocate_async with two FSDP ranks; fully-async); checks and prints the SAT, R3, staleness, mismatch and reward metrics verl logged; then the recipe's
 # own training run, the bf16 R3 measurement, abort/resume, and the engine matrix
 e2e: install
 	$(VENV)/bin/verl-sat prepare --workdir $(WORKDIR) --if-needed
@@ -61,10 +61,15 @@ e2e: install
 	$(PY) -m verl_sat.cpu.vllm_r3 measure --model $(WORKDIR)/model --dtypes bfloat16
 	# abort and resume of in-flight requests on verl's vLLM server, as verl's partial rollout uses them
 	$(PY) -m verl_sat.cpu.vllm_partial --model $(WORKDIR)/model
-	# R3 and SAT under every engine configuration verl builds (FSDP1 and FSDP2, offload, LoRA, checkpointing, Ulysses,
-	# dynamic batching): two ranks of verl's FSDP engine on vLLM's float32 samples, against vLLM and a one-rank reference
+	# R3 and SAT under the engine configurations verl users run (FSDP1 and FSDP2, offload, LoRA, checkpointing, Ulysses,
+	# dynamic batching, hybrid sharding, LoRA and dynamic batching with Ulysses; float32, and verl's default bf16 mixed
+	# precision): two ranks of verl's FSDP engine on vLLM's samples in the cell's precision, against vLLM and a
+	# one-rank reference in that precision
 	$(PY) -m verl_sat.cpu.vllm_r3 sample --model $(WORKDIR)/model --dtype float32 --out $(WORKDIR)/engine_matrix_samples.pt
+	$(PY) -m verl_sat.cpu.vllm_r3 sample --model $(WORKDIR)/model --dtype bfloat16 \
+		--out $(WORKDIR)/engine_matrix_samples_bf16.pt
 	$(PY) -m verl_sat.cpu.engine_matrix --model $(WORKDIR)/model --samples $(WORKDIR)/engine_matrix_samples.pt \
+		--bf16-samples $(WORKDIR)/engine_matrix_samples_bf16.pt \
 		--out $(WORKDIR)/engine_matrix.json
 
 bench: install
