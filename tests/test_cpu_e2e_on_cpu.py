@@ -39,7 +39,7 @@ from verl_sat.cpu.e2e import (
 
 
 def test_verls_async_trainer_runs_sat_gspo_with_fsdp_routing_replay_on_vllm(tiny_workdir, tmp_path):
-    base = next(run for run in RUNS if run.folder_name == "separate_async-sat_gspo_r3-lag1-fsdp1")
+    base = next(run for run in RUNS if run.folder_name == "separate_async-sat_gspo_r3-lag1-fsdp1-bf16")
     run = E2ERun(base.trainer, base.name, base.recipe_args, steps=2, resume=False, required=base.required)
     result = run_e2e(tiny_workdir, (run,), out=tmp_path)[run.folder_name]  # raises, naming the log, on any failure
     steps = result["steps"]
@@ -47,7 +47,7 @@ def test_verls_async_trainer_runs_sat_gspo_with_fsdp_routing_replay_on_vllm(tiny
     for metrics in steps.values():
         for key in (*SAT_METRICS, *R3_METRICS, *STALENESS_METRICS, *MISMATCH_METRICS, "critic/score/mean"):
             assert math.isfinite(metrics[key]), key
-        assert metrics["actor/mismatch_abs_log_ratio"] > 0  # bf16 rollout against the fp32 trainer (Eq. 52)
+        assert metrics["actor/mismatch_abs_log_ratio"] > 0  # vLLM's bf16 kernels against the trainer's (Eq. 52)
         assert 0.0 <= metrics["actor/sat_gate_rate"] <= 0.1 + 1e-9  # at most 1 - alpha of the units (Eq. 14)
         # one rank, one token-budget micro-batch of 4 prompts x 4 responses: the sequence quantile can gate
         assert metrics["actor/sat_seqs_per_micro_batch"] == 16.0
@@ -56,7 +56,7 @@ def test_verls_async_trainer_runs_sat_gspo_with_fsdp_routing_replay_on_vllm(tiny
         assert 0.0 <= metrics["critic/score/mean"] <= 1.0  # verl's reward loop, GSM8K scorer
     assert steps[1]["training/off_policy/trajectory_staleness/max"] == 0  # the first batch: initial weights
     # vLLM started on dummy weights: only the first sync through verl-sat's worker extension made it the policy
-    # (bf16 against the fp32 trainer: a few 1e-3; a layout vLLM misreads gives nats)
+    # (vLLM's bf16 against verl's bf16 mixed precision: a few 1e-3; a layout vLLM misreads gives nats)
     assert steps[1]["actor/mismatch_abs_log_ratio"] < 0.05
     checkpoints = tmp_path / run.folder_name / "checkpoints"
     assert (checkpoints / "global_step_1" / "actor").is_dir() and (checkpoints / "global_step_2" / "actor").is_dir()
@@ -66,7 +66,7 @@ def test_verls_async_trainer_runs_sat_gspo_with_fsdp_routing_replay_on_vllm(tiny
 def test_a_second_make_e2e_starts_each_run_clean(tmp_path):
     """A run's folder is emptied before it starts: the previous ``make e2e``'s ``global_step_3`` must not be resumed
     past the new run's step budget."""
-    stale = tmp_path / "e2e" / "separate_async-sat_gspo_r3-lag1-fsdp1" / "checkpoints" / "global_step_3"
+    stale = tmp_path / "e2e" / "separate_async-sat_gspo_r3-lag1-fsdp1-bf16" / "checkpoints" / "global_step_3"
     stale.mkdir(parents=True)
     (stale.parent / "latest_checkpointed_iteration.txt").write_text("3")
     folder = fresh_folder(stale.parent.parent)

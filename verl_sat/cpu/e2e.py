@@ -15,9 +15,9 @@
 workdir, for a few steps each, all rolling out with verl's own vLLM server on vLLM's CPU build (``+cpu=e2e``: verl's
 ``vLLMReplica``, ``vLLMHttpServer`` and weight transfer, with verl-sat's worker extension):
 
-1. ``separate_async``: ``+recipe=sat_gspo_r3 +lag=lag1 r3=fsdp`` on verl's default actor strategy, FSDP1 (SAT-GSPO
-   with routing replay of vLLM's routes under verl's FSDP engine), then the same command with one more step, which
-   resumes from verl's checkpoint; and
+1. ``separate_async``: ``+recipe=sat_gspo_r3 +lag=lag1 r3=fsdp`` on verl's default actor strategy, FSDP1, in verl's
+   default precision, bf16 mixed precision (SAT-GSPO with routing replay of vLLM's bf16 routes under verl's FSDP
+   engine), then the same command with one more step, which resumes from verl's checkpoint; and
    ``+recipe=grpo +lag=lag8``, the paper's lag (8 optimizer steps per broadcast);
 2. verl's v1 ``sync`` trainer with vLLM in float32 (``+lag=sync``): on-policy, so after every weight sync vLLM's
    log-probs must equal the float32 trainer's (``SYNCED_MISMATCH_MAX``);
@@ -105,12 +105,17 @@ FULLY_ASYNC = ("--config-name", "fully_async_ppo_trainer", "data.train_batch_siz
                "ray_kwargs.ray_init.num_cpus=32")  # fmt: skip
 # verl's default actor strategy, FSDP1 (``+cpu=e2e`` picks FSDP2 for the other runs), for the actor and the reference
 FSDP1 = ("actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.ref.strategy=fsdp")
+# verl's default precision: without the CPU preset's float32 mixed_precision block, verl's FSDP engine casts the
+# parameters to bf16 for the forward and backward and reduces in float32, for the actor and the reference
+VERL_DEFAULT_PRECISION = ("actor_rollout_ref.actor.fsdp_config.mixed_precision=null",
+                          "actor_rollout_ref.ref.fsdp_config.mixed_precision=null")  # fmt: skip
 # vLLM in float32 against the float32 trainer: after every weight sync vLLM's log-probs must equal the trainer's
 FLOAT32_VLLM = ("actor_rollout_ref.rollout.dtype=float32",)
 # mean |log-prob difference|: measured 4-6e-7 per step; a float32 rollout one weight version behind (lag 1) is at 5.7e-4
 SYNCED_MISMATCH_MAX = 1e-4
 RUNS = (
-    E2ERun("separate_async", "sat_gspo_r3-lag1-fsdp1", ("+recipe=sat_gspo_r3", "+lag=lag1", "r3=fsdp", *FSDP1), 2, True,
+    E2ERun("separate_async", "sat_gspo_r3-lag1-fsdp1-bf16",
+           ("+recipe=sat_gspo_r3", "+lag=lag1", "r3=fsdp", *FSDP1, *VERL_DEFAULT_PRECISION), 2, True,
            (*SAT_METRICS, *R3_METRICS, *STALENESS_METRICS, *REWARD_METRICS, *MISMATCH_METRICS)),
     E2ERun("sync", "float32-sat_gspo_r3", ("+recipe=sat_gspo_r3", "+lag=sync", "r3=fsdp", *FLOAT32_VLLM), 3, False,
            (*SAT_METRICS, *R3_METRICS, *STALENESS_METRICS, *MISMATCH_METRICS), staleness=0,
