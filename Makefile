@@ -35,10 +35,15 @@ demo: $(STAMP)
 	$(VENV)/bin/verl-sat prepare --workdir $(WORKDIR) --if-needed
 	$(VENV)/bin/verl-sat sweep --workdir $(WORKDIR) --name demo --recipes gspo_r3,sat_gspo_r3 --lags 8 --seeds 0 --jobs 2
 
-# the suite's two slowest checks, which duplicate make e2e's own runs (verl's async trainer on vLLM; the engine-matrix
-# cells on two ranks), run with make e2e instead, to keep make test near 13 minutes on 2 cores from a clean clone
+# the suite's slowest checks, which run vLLM's CPU engine like make e2e's own runs (verl's async trainer on vLLM; the
+# engine-matrix cells on two ranks; vLLM's float32 weight reload and routes against verl's actor), run with make e2e
+# instead, to keep make test under 14 minutes on 2 cores from a clean clone
 E2E_SUITE_TESTS := tests/test_cpu_e2e_on_cpu.py::test_verls_async_trainer_runs_sat_gspo_with_fsdp_routing_replay_on_vllm \
-	tests/test_engine_matrix_on_cpu.py::test_engine_matrix_cell
+	tests/test_engine_matrix_on_cpu.py::test_engine_matrix_cell \
+	tests/test_vllm_r3_on_cpu.py::test_vllm_returns_routes_verl_aligns_to_the_sequence \
+	tests/test_vllm_r3_on_cpu.py::test_r3_in_verls_fsdp_engine_reproduces_vllms_float32_log_probs \
+	tests/test_vllm_reload_on_cpu.py::test_reloading_the_same_weights_changes_nothing \
+	tests/test_vllm_reload_on_cpu.py::test_vllm_samples_with_the_updated_weights
 
 test: install
 	$(PY) -m pytest tests -q --durations=30 $(addprefix --deselect ,$(E2E_SUITE_TESTS))

@@ -15,8 +15,8 @@
 
 ``actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3`` (verl's own ``EngineRouterReplayConfig``) makes the
 actor replay the ``routed_experts`` the rollout engine returned, in both ``compute_log_prob`` and the update, on the
-engine configurations ``verl_sat.cpu.engine_matrix`` checks (FSDP1 and FSDP2, float32 and bf16 mixed precision,
-gradient checkpointing, LoRA, Ulysses, dynamic batching, hybrid sharding on FSDP2; offload composes). A separate
+engine configurations tested on the CPU (FSDP1 and FSDP2, float32 and bf16 mixed precision, gradient
+checkpointing, LoRA, Ulysses, dynamic batching, hybrid sharding on FSDP2; offload composes). A separate
 reference model has its own engine config and keeps native routing. Under LoRA verl computes the reference log-probs
 in the actor with the adapters off (``compute_log_prob`` with ``no_lora_adapter``): that pass replays too,
 as in verl's Megatron R3, so the KL term compares actor and reference on the same routes.
