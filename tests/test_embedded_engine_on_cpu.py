@@ -338,6 +338,36 @@ def test_a_finished_run_is_extended_by_a_larger_step_count(tiny_workdir):
         run(tiny_workdir, *name, "actor_rollout_ref.actor.optim.lr=0.5", steps=5)
 
 
+def test_evaluation_on_the_optimizer_step_grid_inside_trainer_steps(tiny_workdir):
+    """``embedded_engine.eval_every_optimizer_steps`` evaluates between the optimizer steps of a trainer step (paper
+    lag 3: 3 optimizer steps per trainer step), once at the last, and leaves training bit-identical."""
+    lag = PAPER_LAG[3]
+    settings, summary, records = run(tiny_workdir, "+recipe=gspo", *lag, "trainer.experiment_name=grid",
+                                     "embedded_engine.eval_every_optimizer_steps=2", steps=3)  # fmt: skip
+    evals = [(run_files.optimizer_step(r), r["step"]) for r in records if run_files.ACCURACY in r]
+    assert evals == [(0, 0), (2, 1), (4, 2), (6, 2), (8, 3), (9, 3)]  # 9: the last, off the grid
+    trained = [r for r in records if run_files.STEP_SECONDS in r]
+    assert [r[run_files.OPTIMIZER_STEP] for r in trained] == [3, 6, 9]
+    assert summary["last_step"] == 9 and summary["best_step"] in (0, 2, 4, 6, 8, 9)
+    plain_settings, _, plain = run(tiny_workdir, "+recipe=gspo", *lag, "trainer.experiment_name=grid-off", steps=3)
+    drop = (run_files.ACCURACY,)
+    assert without_timings(trained, drop) == without_timings([r for r in plain if r["step"] > 0], drop)
+    a, b = final_weights(settings), final_weights(plain_settings)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(EmbeddedConfigError, match=r"embedded_engine\.eval_every_optimizer_steps=0"):
+        compose_train_config(tiny_workdir, [*SMALL, "+recipe=gspo", "embedded_engine.eval_every_optimizer_steps=0"])
+
+
+def test_collapse_step_is_the_first_evaluation_that_stays_below_half_the_best():
+    evals = [(0, 0.2), (16, 0.4), (32, 0.1), (48, 0.3), (64, 0.19), (80, 0.15)]
+    assert run_files.collapse_step(evals) == 64  # 0.3 at 48 is above half of 0.4; from 64 on, below
+    assert run_files.collapse_step(evals[:4]) is None
+    assert run_files.collapse_step([(0, 0.2)]) is None and run_files.collapse_step([]) is None
+    records = [{"step": i, run_files.OPTIMIZER_STEP: s, run_files.ACCURACY: a} for i, (s, a) in enumerate(evals)]
+    summary = run_files.summarize(records, total_steps=5)
+    assert summary["collapsed"] and summary["collapse_step"] == 64 and summary["best_step"] == 16
+
+
 # ---- every Table 1 row ---------------------------------------------------------------------------------------------
 
 

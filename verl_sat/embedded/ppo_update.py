@@ -25,6 +25,7 @@ gradient norm skips the optimizer step, as verl's engine does.
 import inspect
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -136,9 +137,11 @@ def train_step(
     shuffle_generator: torch.Generator,
     reference: Policy | None,
     at_version: Policy,
+    after_optimizer_step: Callable[[int], None] | None = None,
 ) -> dict:
     """Train one batch; returns the step's metrics (per optimizer step averages, the last epoch's mismatch and
-    attribution, the optimizer steps skipped for a non-finite gradient)."""
+    attribution, the optimizer steps skipped for a non-finite gradient). ``after_optimizer_step(k)`` is called after
+    the batch's k-th optimizer step (1-based; a skipped one counts)."""
     temperature, micro = settings.temperature, actor.ppo_micro_batch_size_per_gpu or batch.input_ids.shape[0]
     adv = advantages(batch, algo)
     mask = batch.response_mask.clone()
@@ -216,6 +219,8 @@ def train_step(
                 grad_norms.append(float(grad_norm))
                 for key, values in mini_metrics.items():
                     metrics_in[key].append(_merge(values))
+                if after_optimizer_step is not None:
+                    after_optimizer_step(len(grad_norms))
     out = {key: float(np.mean(values)) for key, values in metrics_in.items()}
     out.update(step_metrics)
     out["actor/grad_norm"] = float(np.mean(grad_norms))

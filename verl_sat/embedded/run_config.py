@@ -41,6 +41,8 @@ _ACTOR, _ROLLOUT, _CORRECTION = (
     "actor_rollout_ref.rollout.",
     "algorithm.rollout_correction.",
 )
+# the embedded engine's own key (not verl's): evaluate every this many optimizer steps, inside a trainer step too
+EVAL_EVERY_KEY = "embedded_engine.eval_every_optimizer_steps"
 # Every key the embedded engine reads (see docs/local_engine.md). actor.policy_loss.* are read by verl's registered
 # losses; its sat.* keys only by the SAT losses, actor.tau_pos / tau_neg only by verl's sapo.
 READ_KEYS = frozenset(
@@ -67,6 +69,7 @@ READ_KEYS = frozenset(
         "trainer.max_actor_ckpt_to_keep", "trainer.use_v1", "trainer.v1.trainer_mode",
         "trainer.v1.separate_async.num_warmup_batches", "trainer.v1.separate_async.parameter_sync_step",
         "trainer.v1.sampler.max_off_policy_threshold", "trainer.v1.sampler.max_off_policy_strategy",
+        EVAL_EVERY_KEY,
     ]
 )  # fmt: skip
 CONFIG_GROUPS = ("recipe", "lag", "r3", "embedded", "radii")
@@ -96,6 +99,7 @@ class RunSettings:
     val_temperature: float
     val_do_sample: bool
     test_freq: int
+    eval_every_optimizer_steps: int | None  # set: evaluate on this optimizer-step grid instead of test_freq
     save_freq: int
     val_before_train: bool
     keep_checkpoints: int
@@ -130,6 +134,9 @@ class RunSettings:
                 raise EmbeddedConfigError(f"{key}={value!r} is invalid: expected a positive integer")
         if self.temperature <= 0:
             raise EmbeddedConfigError(f"actor_rollout_ref.rollout.temperature={self.temperature} must be > 0")
+        every = self.eval_every_optimizer_steps
+        if every is not None and (not isinstance(every, int) or every < 1):
+            raise EmbeddedConfigError(f"{EVAL_EVERY_KEY}={every!r} is invalid: expected a positive integer or null")
 
 
 def schedule_of(config: DictConfig) -> LagSchedule:
@@ -293,6 +300,7 @@ def compose_train_config(workdir: str | Path, args: list[str]) -> tuple[DictConf
         val_temperature=float(rollout.val_kwargs.temperature),
         val_do_sample=bool(rollout.val_kwargs.do_sample),
         test_freq=trainer.test_freq,
+        eval_every_optimizer_steps=OmegaConf.select(config, EVAL_EVERY_KEY),
         save_freq=trainer.save_freq,
         val_before_train=trainer.val_before_train,
         keep_checkpoints=trainer.max_actor_ckpt_to_keep or 1,

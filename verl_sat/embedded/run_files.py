@@ -62,13 +62,29 @@ RUN_MEANS = {
     "sat_intercepted_frac": (INTERCEPTED,),  # tokens SAT's contracted bound intercepts
 }
 STEP_SECONDS = "timing/step_s"  # a trainer step's wall time, evaluation excluded
-COLLAPSE_RATIO = 0.5  # collapsed: last accuracy < COLLAPSE_RATIO x best accuracy
+# collapsed: the last accuracy is below COLLAPSE_RATIO x the best; it collapsed at the first evaluation from which on
+# every evaluation is below COLLAPSE_RATIO x the best accuracy reached up to it (``collapse_step``)
+COLLAPSE_RATIO = 0.5
 MISMATCH_TAIL = 0.1  # last-epoch mismatch of a run: mean over its last 10% of steps
 
 
 def optimizer_step(record: dict) -> int:
     """The optimizer steps done when ``record`` was logged (0 for the evaluation before training)."""
     return record.get(OPTIMIZER_STEP, record["step"])
+
+
+def collapse_step(evals: list[tuple[int, float]]) -> int | None:
+    """The optimizer step of the first evaluation from which on every evaluation's accuracy is below
+    ``COLLAPSE_RATIO`` x the best accuracy reached up to it; ``None`` if the last one is not. ``evals``: (optimizer
+    step, accuracy) in order."""
+    best_so_far, below = [], []
+    for _, accuracy in evals:
+        best_so_far.append(max(accuracy, best_so_far[-1]) if best_so_far else accuracy)
+        below.append(accuracy < COLLAPSE_RATIO * best_so_far[-1])
+    first = len(below)
+    while first > 0 and below[first - 1]:
+        first -= 1
+    return evals[first][0] if first < len(evals) else None
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -124,12 +140,13 @@ def checkpoints(folder: Path) -> list[Path]:
 
 
 def summarize(records: list[dict], total_steps: int, radius: float | None = None) -> dict:
-    """Best and last accuracy with their steps, the collapse flag (``last < COLLAPSE_RATIO * best``), and the means
+    """Best and last accuracy with their optimizer steps, the collapse flag (``last < COLLAPSE_RATIO * best``) and
+    ``collapse_step``, and the means
     over the last ``MISMATCH_TAIL`` of the steps of the mismatch, its split and SAT's intercepted fraction, gate rate
     and tail quantile ``q`` (``None`` where the run does not log them), ``q / radius`` (the upper clip radius
     ``eps_hi``) when ``radius`` is given, the ``RUN_MEANS`` over every training step (``mean_<name>``), and the wall
     time per optimizer step."""
-    evals = [(r["step"], r[ACCURACY]) for r in records if ACCURACY in r]
+    evals = [(optimizer_step(r), r[ACCURACY]) for r in records if ACCURACY in r]
     steps = [r for r in records if MISMATCH in r]
     tail = steps[-max(1, math.ceil(MISMATCH_TAIL * len(steps))) :] if steps else []
     best_step, best = max(evals, key=lambda e: (e[1], -e[0])) if evals else (None, None)
@@ -154,6 +171,7 @@ def summarize(records: list[dict], total_steps: int, radius: float | None = None
         "last_step": last_step,
         "initial_accuracy": evals[0][1] if evals and evals[0][0] == 0 else None,
         "collapsed": bool(evals) and last < COLLAPSE_RATIO * best,
+        "collapse_step": collapse_step(evals),
         "collapse_rule": f"last accuracy < {COLLAPSE_RATIO} x best accuracy",
         **tail_means,
         "radius": radius,

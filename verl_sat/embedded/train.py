@@ -140,8 +140,10 @@ def train(config: DictConfig, settings: RunSettings, progress: bool = True) -> d
     worker = RolloutWorker(engine, store, schedule, done + 1, settings.total_steps)
     worker.start()
 
-    def evaluate(step: int) -> float:
-        generator = torch.Generator().manual_seed(stream_seed(settings.seed, EVAL_STREAM, step))
+    def evaluate(index: int) -> float:
+        """avg@k, its sampling seeded by ``index`` (the trainer step; on the optimizer-step grid, the optimizer
+        step)."""
+        generator = torch.Generator().manual_seed(stream_seed(settings.seed, EVAL_STREAM, index))
         return avg_at_k(model, tokenizer, test_prompts, settings.val_n, settings.max_response_length,
                         settings.val_temperature, generator if settings.val_do_sample else None)  # fmt: skip
 
@@ -154,6 +156,24 @@ def train(config: DictConfig, settings: RunSettings, progress: bool = True) -> d
         if done == 0 and settings.val_before_train and not log.records:
             record({"step": 0, run_files.ACCURACY: evaluate(0)})
         accuracy = next((r[run_files.ACCURACY] for r in reversed(log.records) if run_files.ACCURACY in r), None)
+        every = settings.eval_every_optimizer_steps
+        trained = [run_files.optimizer_step(r) for r in log.records if run_files.STEP_SECONDS in r]
+        optimizer_steps_done = max(trained, default=0)
+        eval_seconds = 0.0
+
+        def after_optimizer_step(k: int) -> None:
+            """On the optimizer-step grid: evaluate after every ``every``-th optimizer step, inside the trainer step
+            too, as its own metrics line."""
+            nonlocal accuracy, eval_seconds
+            at = optimizer_steps_done + k
+            if at % every == 0:
+                eval_start = time.perf_counter()
+                accuracy = evaluate(at)
+                seconds = time.perf_counter() - eval_start
+                eval_seconds += seconds
+                record({"step": step, run_files.OPTIMIZER_STEP: at, run_files.ACCURACY: accuracy,
+                        "timing/eval_s": seconds})  # fmt: skip
+
         bar = tqdm(range(done + 1, settings.total_steps + 1), desc=run_dir.name, unit="step", initial=done,
                    total=settings.total_steps, disable=not progress)  # fmt: skip
         for step in bar:
@@ -162,7 +182,10 @@ def train(config: DictConfig, settings: RunSettings, progress: bool = True) -> d
             waited = time.perf_counter() - start
             at_version.model.load_state_dict(store.trainer_weights(batch.version))
             shuffle = torch.Generator().manual_seed(stream_seed(settings.seed, SHUFFLE_STREAM, step))
-            metrics = train_step(policy, optimizer, batch, actor, algo, settings, shuffle, reference, at_version)
+            eval_seconds = 0.0
+            metrics = train_step(policy, optimizer, batch, actor, algo, settings, shuffle, reference, at_version,
+                                 None if every is None else after_optimizer_step)  # fmt: skip
+            optimizer_steps_done += int(metrics["actor/optimizer_steps"])
             store.publish(step, model.state_dict())
             store.keep_from(schedule.version_for_step(step + 1))
             gaps = schedule.optimizer_step_gaps(step, int(metrics["actor/optimizer_steps"]))
@@ -179,12 +202,14 @@ def train(config: DictConfig, settings: RunSettings, progress: bool = True) -> d
                 **metrics,
                 "timing/gen_s": batch.gen_seconds,
                 "timing/wait_s": waited,
-                "timing/step_s": time.perf_counter() - start,
+                run_files.STEP_SECONDS: time.perf_counter() - start - eval_seconds,
             }
             metrics["perf/tokens_per_s"] = int(batch.attention_mask.sum()) / metrics["timing/step_s"]
-            if _due(step, settings.test_freq, settings.total_steps):
+            on_grid_end = every is not None and optimizer_steps_done % every == 0  # evaluated just now
+            if _due(step, settings.test_freq, settings.total_steps) if every is None else \
+                    step == settings.total_steps and not on_grid_end:  # fmt: skip
                 eval_start = time.perf_counter()
-                accuracy = metrics[run_files.ACCURACY] = evaluate(step)
+                accuracy = metrics[run_files.ACCURACY] = evaluate(step if every is None else optimizer_steps_done)
                 metrics["timing/eval_s"] = time.perf_counter() - eval_start
             record(metrics)  # before the checkpoint: a resume from it never lacks this line
             if _due(step, settings.save_freq, settings.total_steps):
