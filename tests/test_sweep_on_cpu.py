@@ -22,20 +22,17 @@ import math
 import pytest
 
 from verl_sat import cli
+from verl_sat.embedded import frontier
 from verl_sat.embedded import sweep as sweep_module
+from verl_sat.embedded.cell_stats import aggregate, holm, mean_se, paired_t_test, read_records, select
 from verl_sat.embedded.remedy_view import remedy_view
 from verl_sat.embedded.report import (
     MICRO_BATCH_KEY,
     _row_label,
-    aggregate,
     base_settings,
     default_micro_batch_size,
-    mean_se,
     micro_batch_view,
     paired,
-    paired_t_test,
-    read_records,
-    select,
     write_report,
 )
 from verl_sat.embedded.sweep import Cell, StoreMismatch, parse_lag, sweep
@@ -307,3 +304,48 @@ def test_sweep_checks_every_recipe_before_running(tiny_workdir, capsys):
     assert "comma-separated integers or fixedL" in capsys.readouterr().err
     assert cli.main(["report", "--store", str(tiny_workdir / "nowhere"), "--out", str(tiny_workdir / "r")]) == 2
     assert "no such folder" in capsys.readouterr().err
+
+
+def test_holm_adjusts_a_family_of_p_values():
+    # m = 4 tests: 0.01 x 4, 0.02 x 3 = 0.06, 0.03 x 2 = 0.06, 0.5 x 1; None is no test
+    adjusted = holm([0.03, None, 0.01, 0.5, 0.02])
+    assert adjusted[1] is None
+    assert adjusted[2] == pytest.approx(0.04) and adjusted[4] == pytest.approx(0.06)
+    assert adjusted[0] == pytest.approx(0.06) and adjusted[3] == pytest.approx(0.5)
+    assert holm([0.4, 0.3]) == pytest.approx([0.6, 0.6])  # 0.3 x 2, then max(0.6, 0.4 x 1): monotone
+    assert holm([0.9, 0.8, 0.7]) == pytest.approx([1.0, 1.0, 1.0])  # capped
+
+
+def test_frontier_view_locates_collapse_and_pairs_within_and_across_families(tmp_path):
+    """Rows at three paper lags: a row is stable where no seed collapsed, its frontier the largest lag before the
+    first collapse; each row pairs with grpo and with gspo by seed, Holm-adjusted over every test reported."""
+    records = []
+    for s in (0, 1, 2):
+        for lag in (8, 32, 128):
+            gspo_last = {8: 0.40, 32: 0.30, 128: 0.10 + 0.01 * s}[lag]  # collapses at lag 128 (0.10 < 0.5 x 0.4)
+            records.append(record("gspo", lag, s, 0.40, gspo_last, 0.1,
+                                  collapse_step=(96 if lag == 128 else None)))  # fmt: skip
+            records.append(record("grpo", lag, s, 0.42, 0.41 - 0.01 * s, 0.05))
+            records.append(record("sat_gspo", lag, s, 0.41, 0.40 + 0.01 * s, 0.08))
+    records.append(record("grpo", 1, 0, 0.4, 0.4, 0.01))  # lag 1 too: three lags or more suffice
+    view = frontier.frontier_view(records)
+    frontiers = {f["recipe"]: f for f in view["frontiers"]}
+    assert frontiers["gspo"]["stable_lags"] == [8, 32] and frontiers["gspo"]["frontier"] == 32
+    assert frontiers["sat_gspo"]["frontier"] == 128 and frontiers["grpo"]["frontier"] == 128
+    gspo128 = next(r for r in view["rows"] if (r["recipe"], r["lag"]) == ("gspo", 128))
+    assert gspo128["collapsed"] == 3 and gspo128["collapse_steps"] == [96, 96, 96]
+    tests = {(t["recipe"], t["base"], t["lag"], t["metric"]): t for t in view["tests"]}
+    t = tests[("sat_gspo", "gspo", 128, "last_accuracy")]
+    assert t["within_family"] and t["mean_diff"] == pytest.approx(0.30) and (t["wins"], t["losses"]) == (3, 0)
+    assert not tests[("sat_gspo", "grpo", 128, "last_accuracy")]["within_family"]
+    assert ("gspo", "gspo", 8, "last_accuracy") not in tests and ("grpo", "gspo", 8, "best_accuracy") in tests
+    assert [t["p_holm"] for t in view["tests"]] == holm([t["p_value"] for t in view["tests"]])
+    assert all(t["p_holm"] is None or t["p_holm"] >= t["p_value"] for t in view["tests"])
+    write_report(tmp_path, records, ["verl-sat report ..."])
+    table = (tmp_path / "results.md").read_text()
+    assert "## The staleness frontier" in table and "| gspo | gspo | 8, 32 | 32 |" in table
+    assert "| gspo | 3 | 40.0 ± 0.0 | 11.0 ± 0.6 | 3/3 (96, 96, 96) |" in table
+    assert (tmp_path / "frontier.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "frontier.json").read_text())["frontiers"]
+    # two lags only: no frontier view
+    assert frontier.frontier_view([r for r in records if r["cell"]["lag"] in (8, 32)])["rows"] == []

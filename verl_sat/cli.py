@@ -214,7 +214,8 @@ def _sweep(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from verl_sat.embedded.report import read_records, select, write_report
+    from verl_sat.embedded.cell_stats import read_records, select
+    from verl_sat.embedded.report import write_report
     from verl_sat.embedded.sweep import Cell, parse_lag
 
     try:

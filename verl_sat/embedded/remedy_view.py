@@ -16,14 +16,15 @@
 
 Each row carries its accuracy, collapses, d̄π, what it clips, masks or reweights (run means over every training
 step), its wall time per optimizer step, its paired difference to ``gspo`` and ``sat_gspo``'s paired difference to it
-(``report.paired_differences``, two-sided paired t-test). Written by ``report.write_report`` as a section of
+(``cell_stats.paired_differences``, two-sided paired t-test). Written by ``report.write_report`` as a section of
 ``results.md`` and ``remedies.png`` (best and last accuracy against d̄π, one panel per lag) when the records hold a
 remedy row and ``gspo`` at the same lag and settings.
 """
 
 from pathlib import Path
 
-from verl_sat.embedded import report
+from verl_sat.embedded import cell_stats
+from verl_sat.embedded.cell_stats import aggregate, lag_label, num, p_text, paired_differences, pct, select
 from verl_sat.recipe_catalog import REMEDY_ROWS
 
 BASE, SAT = "gspo", "sat_gspo"  # every remedy row is gspo plus one remedy; sat_gspo is SAT's row on the same base
@@ -35,11 +36,11 @@ def remedy_view(records: list[dict]) -> list[dict]:
     seed; ``None`` for the row itself). In lag order (as in the records), then ``gspo``, ``sat_gspo``, the remedies
     in ``REMEDY_ROWS`` order. Empty when no remedy row has its ``gspo``."""
     names = (BASE, SAT, *REMEDY_ROWS)
-    chosen = report.select(records, list(names))
+    chosen = select(records, list(names))
     groups: dict[tuple, dict[int, dict]] = {}
     for record in chosen:
         cell = record["cell"]
-        key = (cell["recipe"], report._lag_label(cell["regime"], cell["lag"]), report.settings(record))
+        key = (cell["recipe"], lag_label(cell["regime"], cell["lag"]), cell_stats.settings(record))
         groups.setdefault(key, {})[cell["seed"]] = record["summary"]
 
     def pair(a: str, b: str, label: str, settings: tuple) -> dict | None:
@@ -47,9 +48,9 @@ def remedy_view(records: list[dict]) -> list[dict]:
         if a == b or first is None or second is None:
             return None
         seeds = sorted(set(first) & set(second))
-        return {"seeds": seeds, **report.paired_differences([(first[s], second[s]) for s in seeds])} if seeds else None
+        return {"seeds": seeds, **paired_differences([(first[s], second[s]) for s in seeds])} if seeds else None
 
-    rows = {(r["recipe"], r["lag_label"], tuple(r["settings"])): r for r in report.aggregate(chosen)}
+    rows = {(r["recipe"], r["lag_label"], tuple(r["settings"])): r for r in aggregate(chosen)}
     if not any((name, label, settings) in rows and (BASE, label, settings) in rows
                for name in REMEDY_ROWS for _, label, settings in rows):  # fmt: skip
         return []
@@ -67,7 +68,7 @@ def _diff(entry: dict | None, prefix: str = "") -> str:
     if entry is None:
         return "-"
     wins = f", {entry[f'{prefix}wins']}/{entry[f'{prefix}losses']}" if not prefix else ""
-    return f"{100 * entry[f'{prefix}mean_diff']:+.1f} ({report._p(entry[f'{prefix}p_value'])}{wins})"
+    return f"{100 * entry[f'{prefix}mean_diff']:+.1f} ({p_text(entry[f'{prefix}p_value'])}{wins})"
 
 
 def remedy_markdown(view: list[dict]) -> list[str]:
@@ -89,12 +90,12 @@ def remedy_markdown(view: list[dict]) -> list[str]:
             r = v["row"]
             if (r["lag_label"], tuple(r["settings"])) != (label, settings):
                 continue
-            lines.append(f"| {r['recipe']} | {r['seeds']} | {report._pct(r['best_accuracy'], r['best_accuracy_se'])} | "
-                         f"{report._pct(r['last_accuracy'], r['last_accuracy_se'])} | {r['collapsed']}/{r['seeds']} | "
-                         f"{report._num(r['last_epoch_mismatch'])} | {report._num(r['clip_frac'])} | "
-                         f"{report._num(r['rs_masked_frac'])} | {report._num(r['is_out_of_bounds_frac'])} | "
-                         f"{report._num(r['sat_intercepted_run_frac'])} | "
-                         f"{report._num(r['seconds_per_optimizer_step'], 2)} | {_diff(v['vs_base'])} | "
+            lines.append(f"| {r['recipe']} | {r['seeds']} | {pct(r['best_accuracy'], r['best_accuracy_se'])} | "
+                         f"{pct(r['last_accuracy'], r['last_accuracy_se'])} | {r['collapsed']}/{r['seeds']} | "
+                         f"{num(r['last_epoch_mismatch'])} | {num(r['clip_frac'])} | "
+                         f"{num(r['rs_masked_frac'])} | {num(r['is_out_of_bounds_frac'])} | "
+                         f"{num(r['sat_intercepted_run_frac'])} | "
+                         f"{num(r['seconds_per_optimizer_step'], 2)} | {_diff(v['vs_base'])} | "
                          f"{_diff(v['vs_base'], 'last_')} | {_diff(v['sat_vs'])} | "
                          f"{_diff(v['sat_vs'], 'last_')} |")  # fmt: skip
         lines.append("")

@@ -21,21 +21,30 @@ t-test on the per-seed difference). Output in ``OUT/``:
 ``mismatch.png``, ``attribution.png``, when there are paired entries ``regime_map.png``, when the rows differ in
 sequences per micro-batch (``actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu``) ``micro_batch.png`` with its
 table in ``results.md``, and when they hold remedy rows with their ``gspo`` ``remedies.png`` with its tables
-(``verl_sat.embedded.remedy_view``).
+(``verl_sat.embedded.remedy_view``), and when they hold paper-lag rows at three lags or more ``frontier.png`` and
+``frontier.json`` with its tables (``verl_sat.embedded.frontier``).
 """
 
 import csv
 import functools
 import io
 import json
-import math
 from importlib.resources import files
 from pathlib import Path
 
-import mpmath
 from omegaconf import OmegaConf
 
-from verl_sat.embedded import remedy_view, run_files
+from verl_sat.embedded import frontier, remedy_view, run_files
+from verl_sat.embedded.cell_stats import (
+    aggregate,
+    groups,
+    lag_label,
+    mean_or_none,
+    num,
+    p_text,
+    paired_differences,
+    pct,
+)
 from verl_sat.recipe_catalog import PAPER_TABLE_1
 
 # SAT recipe -> the recipe it changes only by its loss
@@ -43,60 +52,7 @@ SAT_BASE = {"sat_grpo": "grpo", "sat_gspo": "gspo", "sat_grpo_r3": "grpo_r3", "s
             "sat_gspo_token": "gspo", "sat_gspo_token_r3": "gspo_r3"}  # fmt: skip
 # overrides of these keys (SAT's knobs) change a SAT row only; its base row is the one without them
 SAT_KEY_PREFIX = "actor_rollout_ref.actor.policy_loss.sat."
-# row field -> summary key, averaged over seeds (None where the runs do not log it, e.g. SAT's metrics off SAT)
-ROW_MEANS = {
-    "last_epoch_mismatch": "last_epoch_mismatch",
-    "intercepted_frac": "last_intercepted_frac",
-    "gate_rate": "last_gate_rate",
-    "q_over_radius": "last_q_over_radius",
-    "policy_lag_abs_mean": "last_policy_lag",
-    "engine_abs_mean": "last_engine_mismatch",
-    "structurally_empty": "last_structurally_empty",
-    "seqs_per_micro_batch": "last_seqs_per_micro_batch",
-    # run means over every training step: what a remedy clips, masks or reweights, and its cost
-    "clip_frac": "mean_clip_frac",
-    "rs_masked_frac": "mean_rs_masked_frac",
-    "is_out_of_bounds_frac": "mean_is_out_of_bounds_frac",
-    "sat_intercepted_run_frac": "mean_sat_intercepted_frac",
-    "seconds_per_optimizer_step": "seconds_per_optimizer_step",
-}
 MICRO_BATCH_KEY = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
-
-
-def mean_se(values: list[float]) -> tuple[float, float | None]:
-    """Mean and standard error (sample standard deviation / sqrt(n); ``None`` for one value)."""
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, None
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
-
-
-def _mean_or_none(values: list) -> float | None:
-    present = [v for v in values if v is not None]
-    return sum(present) / len(present) if present else None
-
-
-def paired_t_test(differences: list[float]) -> tuple[float | None, float | None]:
-    """``(t, two-sided p)`` of the paired t-test on per-seed differences; ``(None, None)`` below two pairs. With no
-    spread, ``p`` is 1 for a zero mean and 0 otherwise."""
-    n = len(differences)
-    if n < 2:
-        return None, None
-    mean = sum(differences) / n
-    sd = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1))
-    if sd == 0:
-        return (0.0, 1.0) if mean == 0 else (math.copysign(math.inf, mean), 0.0)
-    t = mean / (sd / math.sqrt(n))
-    df = n - 1
-    return t, float(mpmath.betainc(df / 2, 0.5, 0, df / (df + t * t), regularized=True))
-
-
-def settings(record: dict) -> tuple[str, ...]:
-    """What a cell was run with beyond recipe, lag and seed: the sweep's overrides, and its ``--optimizer-steps``
-    when it set them."""
-    steps = record.get("optimizer_steps")
-    return (*record["overrides"], *([f"--optimizer-steps {steps}"] if steps else []))
 
 
 def base_settings(settings_: tuple[str, ...]) -> tuple[str, ...]:
@@ -105,89 +61,26 @@ def base_settings(settings_: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(s for s in settings_ if not s.lstrip("+~").startswith(SAT_KEY_PREFIX))
 
 
-def select(records: list[dict], recipes: list[str] | None = None, lag_labels: list[str] | None = None) -> list[dict]:
-    """The records of the given recipes and lag labels (``lag8``, ``fixed8``); ``None`` keeps all."""
-    return [r for r in records if (recipes is None or r["cell"]["recipe"] in recipes)
-            and (lag_labels is None or _lag_label(r["cell"]["regime"], r["cell"]["lag"]) in lag_labels)]  # fmt: skip
-
-
-def _key(record: dict) -> tuple:
-    cell = record["cell"]
-    return cell["recipe"], cell["regime"], cell["lag"], settings(record)
-
-
-def _lag_label(regime: str, lag: int) -> str:
-    return f"{'fixed' if regime == 'fixed' else 'lag'}{lag}"
-
-
-def _order(record: dict) -> tuple:
-    """Table 1's row order, then lag (paper before fixed), settings and seed."""
-    cell, rows = record["cell"], list(PAPER_TABLE_1)
-    rank = rows.index(cell["recipe"]) if cell["recipe"] in rows else len(rows)
-    return rank, cell["recipe"], cell["regime"] != "paper", cell["lag"], settings(record), cell["seed"]
-
-
-def _groups(records: list[dict]) -> dict[tuple, list[dict]]:
-    """Records by (recipe, regime, lag, settings), in ``_order``."""
-    groups: dict[tuple, list[dict]] = {}
-    for record in sorted(records, key=_order):
-        groups.setdefault(_key(record), []).append(record)
-    return groups
-
-
-def aggregate(records: list[dict]) -> list[dict]:
-    """One row per (recipe, lag, settings): best / last accuracy mean and standard error over seeds, collapse
-    count, and the seed means of the last-steps mismatch, its split and SAT's diagnostics."""
-    rows = []
-    for (recipe, regime, lag, settings_), group in _groups(records).items():
-        summaries = [r["summary"] for r in group]
-        best, best_se = mean_se([s["best_accuracy"] for s in summaries])
-        last, last_se = mean_se([s["last_accuracy"] for s in summaries])
-        rows.append({
-            "recipe": recipe, "lag": lag, "lag_regime": "sync" if lag == 0 else regime,
-            "lag_label": _lag_label(regime, lag), "settings": list(settings_),
-            "seeds": len(group), "seed_list": [r["cell"]["seed"] for r in group],
-            "best_accuracy": best, "best_accuracy_se": best_se, "last_accuracy": last, "last_accuracy_se": last_se,
-            "collapsed": sum(bool(s["collapsed"]) for s in summaries),
-            **{field: _mean_or_none([s.get(key) for s in summaries]) for field, key in ROW_MEANS.items()},
-        })  # fmt: skip
-    return rows
-
-
 def paired(records: list[dict]) -> list[dict]:
     """One entry per SAT recipe against its base recipe, per lag and settings (the base on ``base_settings``), on the
     seeds both have: the mean per-seed difference of best and of last accuracy, the paired t-test's p-value, and
     SAT's wins."""
-    groups = _groups(records)
+    by_key = groups(records)
     entries = []
-    for (recipe, regime, lag, settings_), group in groups.items():
-        base_group = groups.get((SAT_BASE.get(recipe), regime, lag, base_settings(settings_)))
+    for (recipe, regime, lag, settings_), group in by_key.items():
+        base_group = by_key.get((SAT_BASE.get(recipe), regime, lag, base_settings(settings_)))
         if base_group is None:
             continue
         base_by_seed = {r["cell"]["seed"]: r["summary"] for r in base_group}
         pairs = [(r["summary"], base_by_seed[r["cell"]["seed"]]) for r in group if r["cell"]["seed"] in base_by_seed]
         entry = {"recipe": recipe, "base": SAT_BASE[recipe], "lag": lag, "lag_regime": "sync" if lag == 0 else regime,
-                 "lag_label": _lag_label(regime, lag), "settings": list(settings_),
+                 "lag_label": lag_label(regime, lag), "settings": list(settings_),
                  "seeds": sorted(r["cell"]["seed"] for r in group if r["cell"]["seed"] in base_by_seed),
                  **paired_differences(pairs)}  # fmt: skip
-        entry["q_over_radius"] = _mean_or_none([sat.get("last_q_over_radius") for sat, _ in pairs])
-        entry["intercepted_frac"] = _mean_or_none([sat.get("last_intercepted_frac") for sat, _ in pairs])
+        entry["q_over_radius"] = mean_or_none([sat.get("last_q_over_radius") for sat, _ in pairs])
+        entry["intercepted_frac"] = mean_or_none([sat.get("last_intercepted_frac") for sat, _ in pairs])
         entries.append(entry)
     return entries
-
-
-def paired_differences(pairs: list[tuple[dict, dict]]) -> dict:
-    """Summaries paired by seed, ``(a, b)``: for best and for last accuracy (``last_`` prefix) the mean per-seed
-    difference ``a - b``, its standard error, the paired t-test's ``t`` and two-sided p-value, and a's wins and
-    losses."""
-    entry = {}
-    for metric, prefix in (("best_accuracy", ""), ("last_accuracy", "last_")):
-        diffs = [a[metric] - b[metric] for a, b in pairs]
-        t, p = paired_t_test(diffs)
-        entry |= {f"{prefix}mean_diff": sum(diffs) / len(diffs), f"{prefix}diff_se": mean_se(diffs)[1],
-                  f"{prefix}t": t, f"{prefix}p_value": p,
-                  f"{prefix}wins": sum(d > 0 for d in diffs), f"{prefix}losses": sum(d < 0 for d in diffs)}  # fmt: skip
-    return entry
 
 
 def write_report(out: Path, records: list[dict], commands: list[str], failed: list[str] = ()) -> None:
@@ -202,30 +95,21 @@ def write_report(out: Path, records: list[dict], commands: list[str], failed: li
     writer.writerows(rows)
     run_files.write_atomic(out / "results.csv", buffer.getvalue())
     remedies = remedy_view.remedy_view(records)
-    run_files.write_atomic(out / "results.md", results_markdown(rows, pairs, commands, failed, remedies))
+    staleness = frontier.frontier_view(records)
+    if staleness["rows"]:
+        run_files.write_atomic(out / "frontier.json", json.dumps(staleness, indent=2) + "\n")
+    markdown = results_markdown(rows, pairs, commands, failed, remedies, frontier.frontier_markdown(staleness))
+    run_files.write_atomic(out / "results.md", markdown)
     plot_report(out, records, rows, pairs)
     plot_micro_batch(out, rows, pairs)
     remedy_view.plot_remedies(out, remedies)
-
-
-def _pct(value: float | None, se: float | None = None) -> str:
-    if value is None:
-        return "-"
-    return f"{100 * value:.1f}" + ("" if se is None else f" ± {100 * se:.1f}")
-
-
-def _num(value: float | None, digits: int = 4) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def _p(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
+    frontier.plot_frontier(out, staleness)
 
 
 def results_markdown(rows: list[dict], pairs: list[dict], commands: list[str], failed: list[str] = (),
-                     remedies: list[dict] = ()) -> str:  # fmt: skip
-    """Our table (one per lag and settings), the paired comparisons, the micro-batch and remedy views where the rows
-    have them, then the paper's Table 1, never mixed."""
+                     remedies: list[dict] = (), frontier_lines: list[str] = ()) -> str:  # fmt: skip
+    """Our table (one per lag and settings), the paired comparisons, the micro-batch, remedy and staleness-frontier
+    views where the rows have them, then the paper's Table 1, never mixed."""
     lines = ["# Sweep results", "", "Commands:", "", "```bash", *commands, "```", "",
              "Accuracy: test avg@k, mean ± standard error over seeds (in %). Collapsed: runs whose last accuracy is "
              f"below {run_files.COLLAPSE_RATIO} x their best. Every other column is the seed mean of the run's mean "
@@ -242,10 +126,10 @@ def results_markdown(rows: list[dict], pairs: list[dict], commands: list[str], f
         lines += [f"## {label} ({group[0]['lag_regime']} lag{extra})", "",
                   "| recipe | seeds | best acc | last acc | collapsed | d̄π | gate | intercepted | q/ε | Δπ | Δimpl |",
                   "|---" * 11 + "|"]  # fmt: skip
-        lines += [f"| {r['recipe']} | {r['seeds']} | {_pct(r['best_accuracy'], r['best_accuracy_se'])} | "
-                  f"{_pct(r['last_accuracy'], r['last_accuracy_se'])} | {r['collapsed']}/{r['seeds']} | "
-                  f"{_num(r['last_epoch_mismatch'])} | {_num(r['gate_rate'], 3)} | {_num(r['intercepted_frac'])} | "
-                  f"{_num(r['q_over_radius'], 3)} | {_num(r['policy_lag_abs_mean'])} | {_num(r['engine_abs_mean'])} |"
+        lines += [f"| {r['recipe']} | {r['seeds']} | {pct(r['best_accuracy'], r['best_accuracy_se'])} | "
+                  f"{pct(r['last_accuracy'], r['last_accuracy_se'])} | {r['collapsed']}/{r['seeds']} | "
+                  f"{num(r['last_epoch_mismatch'])} | {num(r['gate_rate'], 3)} | {num(r['intercepted_frac'])} | "
+                  f"{num(r['q_over_radius'], 3)} | {num(r['policy_lag_abs_mean'])} | {num(r['engine_abs_mean'])} |"
                   for r in group]  # fmt: skip
         lines.append("")
     if pairs:
@@ -255,12 +139,14 @@ def results_markdown(rows: list[dict], pairs: list[dict], commands: list[str], f
                   "| SAT recipe | base | lag | settings | seeds | Δ best | p | wins/losses | Δ last | p | q/ε |",
                   "|---" * 11 + "|"]  # fmt: skip
         lines += [f"| {e['recipe']} | {e['base']} | {e['lag_label']} | {' '.join(e['settings']) or '-'} | "
-                  f"{len(e['seeds'])} | {100 * e['mean_diff']:+.1f} | {_p(e['p_value'])} | {e['wins']}/{e['losses']} | "
-                  f"{100 * e['last_mean_diff']:+.1f} | {_p(e['last_p_value'])} | {_num(e['q_over_radius'], 3)} |"
+                  f"{len(e['seeds'])} | {100 * e['mean_diff']:+.1f} | {p_text(e['p_value'])} | "
+                  f"{e['wins']}/{e['losses']} | "
+                  f"{100 * e['last_mean_diff']:+.1f} | {p_text(e['last_p_value'])} | {num(e['q_over_radius'], 3)} |"
                   for e in pairs]  # fmt: skip
         lines.append("")
     lines += micro_batch_markdown(rows, pairs)
     lines += remedy_view.remedy_markdown(remedies)
+    lines += frontier_lines
     if failed:
         lines += ["Failed cells (see the sweep's logs/): " + ", ".join(failed), ""]
     recipes = list(dict.fromkeys(r["recipe"] for r in rows))
@@ -325,14 +211,14 @@ def micro_batch_markdown(rows: list[dict], pairs: list[dict]) -> list[str]:
                   "| gate | empty | intercepted | d̄π |", "|---" * 11 + "|"]  # fmt: skip
         for v in (v for v in view if v["lag_label"] == label):
             r, e = v["row"], v["pair"]
-            delta = "-" if e is None else (f"{100 * e['mean_diff']:+.1f} ({_p(e['p_value'])}, "
+            delta = "-" if e is None else (f"{100 * e['mean_diff']:+.1f} ({p_text(e['p_value'])}, "
                                            f"{e['wins']}/{e['losses']})")  # fmt: skip
-            delta_last = "-" if e is None else f"{100 * e['last_mean_diff']:+.1f} ({_p(e['last_p_value'])})"
+            delta_last = "-" if e is None else f"{100 * e['last_mean_diff']:+.1f} ({p_text(e['last_p_value'])})"
             lines.append(f"| {v['micro_batch']} | {v['label']} | {r['seeds']} | "
-                         f"{_pct(r['best_accuracy'], r['best_accuracy_se'])} | "
-                         f"{_pct(r['last_accuracy'], r['last_accuracy_se'])} | {delta} | {delta_last} | "
-                         f"{_num(r['gate_rate'], 3)} | {_num(r['structurally_empty'], 2)} | "
-                         f"{_num(r['intercepted_frac'])} | {_num(r['last_epoch_mismatch'])} |")  # fmt: skip
+                         f"{pct(r['best_accuracy'], r['best_accuracy_se'])} | "
+                         f"{pct(r['last_accuracy'], r['last_accuracy_se'])} | {delta} | {delta_last} | "
+                         f"{num(r['gate_rate'], 3)} | {num(r['structurally_empty'], 2)} | "
+                         f"{num(r['intercepted_frac'])} | {num(r['last_epoch_mismatch'])} |")  # fmt: skip
         lines.append("")
     return lines
 
@@ -376,8 +262,8 @@ def plot_report(out: Path, records: list[dict], rows: list[dict], pairs: list[di
     common = set.intersection(*(set(r["settings"]) for r in rows)) if rows else set()
     labels = list(dict.fromkeys(r["lag_label"] for r in rows))
     by_label: dict[str, dict[tuple, list[dict]]] = {}
-    for (recipe, regime, lag, settings_), group in _groups(records).items():
-        by_label.setdefault(_lag_label(regime, lag), {})[(recipe, settings_)] = group
+    for (recipe, regime, lag, settings_), group in groups(records).items():
+        by_label.setdefault(lag_label(regime, lag), {})[(recipe, settings_)] = group
 
     colors = {key: plt.cm.tab20(i % 20) for i, key in enumerate(dict.fromkeys((r["recipe"], tuple(r["settings"]))
                                                                             for r in rows))}  # fmt: skip
@@ -495,13 +381,3 @@ def plot_micro_batch(out: Path, rows: list[dict], pairs: list[dict]) -> None:
     fig.tight_layout()
     fig.savefig(out / "micro_batch.png", dpi=110)
     plt.close(fig)
-
-
-def read_records(stores: list[str | Path]) -> list[dict]:
-    """Every cell record (``*.json``) of the given store folders, in name order."""
-    records = []
-    for store in map(Path, stores):
-        if not store.is_dir():
-            raise FileNotFoundError(f"--store {store}: no such folder of cell records (made by verl-sat sweep --store)")
-        records += [json.loads(p.read_text()) for p in sorted(store.glob("*.json"))]
-    return records

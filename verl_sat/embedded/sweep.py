@@ -32,7 +32,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from verl_sat.embedded import report, run_files
+from verl_sat.embedded import cell_stats, report, run_files
 
 RECORD_FORMAT = 1
 CURVE_POINTS = 50  # points kept per cell for the mismatch split curves of the record
@@ -142,10 +142,10 @@ def stored_record(store: Path | None, cell: Cell, overrides: list[str], optimize
     if store is None or not (store / f"{cell.name}.json").is_file():
         return None
     record = json.loads((store / f"{cell.name}.json").read_text())
-    wanted = report.settings({"overrides": list(overrides), "optimizer_steps": optimizer_steps})
-    if report.settings(record) != wanted:
+    wanted = cell_stats.settings({"overrides": list(overrides), "optimizer_steps": optimizer_steps})
+    if cell_stats.settings(record) != wanted:
         raise StoreMismatch(
-            f"{store / (cell.name + '.json')} was made with {list(report.settings(record))}, not {list(wanted)}: "
+            f"{store / (cell.name + '.json')} was made with {list(cell_stats.settings(record))}, not {list(wanted)}: "
             "use another --store for other settings, or delete the record to run the cell again"
         )
     return record
