@@ -98,6 +98,19 @@ def test_separate_async_warns_that_its_gap_needs_fast_generation():
     assert "gives the gap 8 optimizer steps only while" in fixed[0]
 
 
+def test_sat_in_decoupled_mode_warns_that_it_measures_drift_since_pi_old():
+    """Decoupled mode (a correction recipe) hands SAT pi_old, not mu; the paper's bypass-mode rows stay silent."""
+
+    def warned(recipe: str) -> list[str]:
+        config = compose_job(with_recipes_searchpath([f"+recipe={recipe}"]))[1]
+        return [w for w in check_config(config) if "decoupled mode" in w]
+
+    decoupled = warned("sat_gspo_icepop")
+    assert len(decoupled) == 1 and "log pi - log pi_old" in decoupled[0] and "bypass_mode=true" in decoupled[0]
+    for recipe in ("sat_gspo", "gspo_icepop", "sat_grpo"):
+        assert not warned(recipe), recipe
+
+
 def test_fully_async_rollout_pool_is_the_top_level_one():
     """4 trainer GPUs and an 8-GPU rollout pool with rollout TP 8 is a valid fully-async layout; TP 3 is not, and the
     message names the keys verl reads."""

@@ -65,6 +65,7 @@ def check_config(config: DictConfig) -> list[str]:
         *unread_key_warnings(config),
         *fully_async_lag_warnings(config),
         *micro_batch_warnings(actor, policy_loss, config.get("data")),
+        *decoupled_sat_warnings(config, loss_mode),
     ]
 
 
@@ -186,6 +187,24 @@ def fully_async_lag_warnings(config: DictConfig) -> list[str]:
         "flight are aborted and resumed with the new weights (async_training.partial_rollout) and newer samples can "
         f"be trained first, so the gap falls below {low}; fully_async/partial/partial_ratio shows how often. The "
         "exact regime there is +lag=sync (staleness_threshold=0, trigger_parameter_sync_step=1)"
+    ]
+
+
+def decoupled_sat_warnings(config: DictConfig, loss_mode: str) -> list[str]:
+    """A SAT loss reads ``log pi - old_log_prob`` as each token's staleness (Eq. 14). In verl's bypass mode
+    ``old_log_prob`` is the rollout's ``mu``; in decoupled mode (``rollout_correction.bypass_mode=false``, e.g. the
+    ``correction`` recipes) it is ``pi_old``, the trainer's weights recomputed at the start of the cycle, so SAT
+    measures the drift since then, not the staleness against ``mu`` (0 in every cycle's first mini-batch), and ``mu``
+    enters only through the correction's weights."""
+    correction = config.get("algorithm", {}).get("rollout_correction", {})
+    if loss_mode not in ("sat", "sat_gspo") or correction.get("bypass_mode", False):
+        return []
+    return [
+        f"policy_loss.loss_mode={loss_mode} with algorithm.rollout_correction.bypass_mode=false (decoupled mode): SAT "
+        "gates on log pi - log pi_old, pi_old being the trainer's own weights recomputed at the start of each sync "
+        "cycle, so it measures the drift since then (0 in each cycle's first mini-batch), not the staleness against "
+        "the rollout's mu that the paper's SAT contracts; mu enters only through the rollout correction's weights. "
+        "Set bypass_mode=true for the paper's SAT"
     ]
 
 
