@@ -58,6 +58,7 @@ LOSS_CASES = [
     ("sat_gspo", "sequence", "gspo"),
     ("sat_gspo", "sequence_uniform", "gspo"),
     ("sat_gspo", "token", "gspo"),
+    ("sat_gspo", "token_ratio_side", "gspo"),
 ]
 QUANTILE_METHODS = ["inverted_cdf", "linear"]
 # every loss_agg_mode verl 0.9.1's ActorConfig accepts (its valid_loss_agg_modes)

@@ -84,6 +84,8 @@ def _ratio(loss, out):
 
 
 def _proxy(out, granularity):
+    """The drift whose sign picks a gated unit's contracted endpoint: the token's own log-ratio under ``token``, the
+    sequence's ``s_i`` otherwise (``token_ratio_side`` gates per token on the ratio's side)."""
     return out.log_ratio if granularity == "token" else _seq_log_ratio(out).expand(out.mask.shape)
 
 
@@ -278,7 +280,7 @@ def test_inf_log_probs_go_through_the_clamp(sat_actor_config):
     assert sat_grad[2, 0] == ref_grad[2, 0] == 0.0  # clamped: no gradient, as in verl
 
 
-@pytest.mark.parametrize("granularity", ["sequence", "sequence_uniform", "token"])
+@pytest.mark.parametrize("granularity", ["sequence", "sequence_uniform", "token", "token_ratio_side"])
 @pytest.mark.parametrize("agg", AGG_MODES)
 def test_gspo_with_an_old_log_prob_of_minus_inf_stays_finite_and_equals_verls(granularity, agg):
     """7: an ``old_log_prob`` of -inf (``s_i`` = +inf) gives verl's ``gspo`` loss and gradient when nothing is gated

@@ -27,7 +27,7 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl_sat import inert_sat
 from verl_sat.sat_math import sat_gspo_surrogate, sat_token_surrogate
 
-GRANULARITIES = ["sequence", "sequence_uniform", "token"]
+GRANULARITIES = ["sequence", "sequence_uniform", "token", "token_ratio_side"]
 
 
 def _micro_batch(sequences: int, seed: int, lengths: tuple[int, int] = (3, 12), scale: float = 0.2):
@@ -63,7 +63,7 @@ def test_structurally_empty_exactly_when_nothing_can_be_gated(granularity, metho
             assert (empty == 1.0) == (gated == 0.0), (sequences, seed, empty, gated)
             seen.add(empty)
     # per-token scores are structurally empty only below 1 / (1 - alpha) tokens (inverted_cdf) or at one token (linear)
-    if granularity != "token" or (alpha >= 0.9 and method == "inverted_cdf"):
+    if not granularity.startswith("token") or (alpha >= 0.9 and method == "inverted_cdf"):
         assert seen == {0.0, 1.0}  # both sides of the boundary were reached
 
 
@@ -205,3 +205,34 @@ def test_the_radius_warning_names_the_keys_and_the_papers_radius_once(caplog):
                  "actor/sat_beyond_radius"):  # fmt: skip
         assert text in message
     assert not monitor.warned  # the structural warning is a separate one
+
+
+@pytest.mark.parametrize("method", QUANTILE_METHODS)
+def test_token_ratio_side_gates_only_what_its_clip_acts_on(method):
+    """Per-token scores on a drifted sequence ratio: every sequence's ratio exp(0.15) lies inside verl's band (0.2)
+    and beyond every gated token's contracted upper endpoint (the Hill kernel halves the radius at least), tokens
+    drift both ways around it. With the side taken from the ratio's drift (``token_ratio_side``) every token counted
+    as gated is clipped (zero gradient, advantage +1) and intercepted; with each token's own side (``token``) the
+    gated tokens that drifted against their sequence contract the other endpoint and keep their gradient."""
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randn(8, 40, generator=g, dtype=torch.float64) * 0.5
+    drift = 0.15 + noise - noise.mean(dim=-1, keepdim=True)  # each sequence's mean log-ratio exactly 0.15
+    old = -torch.rand(8, 40, generator=g, dtype=torch.float64) - 1.0
+    adv, mask = torch.ones_like(old), torch.ones_like(old, dtype=torch.bool)
+    results = {}
+    for granularity in ("token", "token_ratio_side"):
+        log_prob = (old + drift).requires_grad_()
+        gate = gate_config("sat_gspo", granularity, quantile=0.9, quantile_method=method)
+        out = sat_gspo_surrogate(log_prob, old, adv, mask, 0.2, 0.2, gate, granularity)
+        out.loss_mat.sum().backward()
+        gated = out.region.gate.bool() & mask
+        results[granularity] = (gated, log_prob.grad, out)
+    gated, grad, out = results["token_ratio_side"]
+    assert int(gated.sum()) > 0 and bool((drift[gated] < 0).any())  # some gated tokens drifted against the ratio
+    assert torch.all(grad[gated] == 0) and torch.all(grad[~gated] != 0)
+    assert torch.equal(out.intercepted, gated) and float(out.region.stats.gated) == int(gated.sum())
+    assert torch.all(out.region.upper[gated] <= 1.1) and torch.all(out.region.lower[gated] == 0.8)
+    token_gated, token_grad, _ = results["token"]
+    against = token_gated & (drift < 0)
+    assert torch.equal(token_gated, gated)  # the same gate: only the side differs
+    assert bool(against.any()) and torch.all(token_grad[against] != 0)

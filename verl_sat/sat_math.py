@@ -33,7 +33,7 @@ import torch
 LOG_RATIO_CLAMP = 20.0  # |lp - lp_old| clamp of the token rule and the proxy (Eq. 13), as verl's `vanilla`
 GSPO_LOG_RATIO_MAX = 10.0  # upper clamp of the GSPO-token log-ratio, as verl's `gspo`
 KERNELS = ("hill", "hill_shifted")
-GRANULARITIES = ("sequence", "sequence_uniform", "token")
+GRANULARITIES = ("sequence", "sequence_uniform", "token", "token_ratio_side")
 QUANTILE_METHODS = ("inverted_cdf", "linear")
 
 
@@ -57,7 +57,10 @@ class SatParams:
         floor (float): Gate only when the quantile q exceeds this value (>= 0); avoids gating pure noise.
         granularity (str): SAT score unit of the GSPO surrogate: "sequence" (s_i broadcast to the sequence's active
             tokens, quantile over tokens: length-weighted, Eq. 20), "sequence_uniform" (quantile over sequences,
-            each once) or "token". The token-level loss is always per token and refuses any other value.
+            each once), "token" (per-token scores, each gated token contracting the endpoint its own d_t drifted
+            toward) or "token_ratio_side" (per-token scores and gate, the contracted endpoint the one the sequence
+            ratio exp(s_i) drifted toward, so every gated token is one the clip can act on). The token-level loss is
+            always per token and refuses any other value.
     """
 
     quantile: float = 0.9
@@ -364,6 +367,7 @@ def trust_region(
     loss_dtype: torch.dtype,
     weight: torch.Tensor | None = None,
     num_units: torch.Tensor | None = None,
+    side: torch.Tensor | None = None,
 ) -> TrustRegion:
     """Tail gate, kernel and sign-selected endpoint contraction (Eqs. 14-17).
 
@@ -375,6 +379,8 @@ def trust_region(
         weight: optional int64 tokens per unit (length-weighted quantile), 0 at inactive units; default 1 per active
             unit.
         num_units: the active units (``unit_mask`` count, or the weight sum), when the caller has it already.
+        side: optional -1 / 0 / +1 per unit (``proxy``'s shape): the endpoint a gated unit contracts, instead of the
+            sign of its own ``d``; a unit of side 0 is not gated (nothing has drifted for the clip to act on).
     """
     # the statistics are detached, fresh tensors: updated in place (each fresh CPU temporary costs page faults)
     d = proxy.detach().to(stat_dtype(proxy.dtype))
@@ -387,9 +393,12 @@ def trust_region(
     # 1.0 where a > threshold (a - threshold has sign +1), 0.0 elsewhere: inactive units have a = 0 <= q
     threshold = q.masked_fill(q <= gate.floor, math.inf)
     gated = torch.sub(a, threshold).sign_().clamp_(min=0.0)
+    direction = d.sign() if side is None else side.to(d.dtype)
+    if side is not None:
+        gated.mul_(direction.abs())
     deficit = contraction_deficit(a, q, gate).mul_(gated)  # 1 - kappa on gated units, else 0
     max_shrink = deficit.amax() if a.numel() else a.new_zeros(())
-    shrink = deficit.mul_(d.sign())
+    shrink = deficit.mul_(direction)
     lower_part, upper_part = torch.clamp(shrink, max=0.0), torch.clamp(shrink, min=0.0)  # -(1 - c_minus), 1 - c_plus
 
     parts = (gated, a, lower_part, upper_part)
@@ -547,8 +556,10 @@ def sat_gspo_surrogate(
 
     ``granularity``: ``sequence`` scores every active token of sequence ``i`` with ``d_i = s_i`` and takes the
     quantile over active tokens, so a sequence weighs as many times as it has active tokens (Eq. 20);
-    ``sequence_uniform`` counts each non-empty sequence once; ``token`` scores, gates and contracts per token.
-    A sequence's factors apply to all its tokens.
+    ``sequence_uniform`` counts each non-empty sequence once; ``token`` scores, gates and contracts per token, each
+    gated token on the side its own ``d_t`` drifted to; ``token_ratio_side`` scores and gates per token and contracts
+    the endpoint on the side ``s_i`` (the ratio's drift) lies, so a gated token's clip can act on the ratio, and a
+    token of a sequence with ``s_i = 0`` is never gated. A sequence's factors apply to all its tokens.
 
     Args:
         log_prob, old_log_prob, advantages: ``[B, T]``; response_mask: ``[B, T]`` bool or 0/1.
@@ -562,9 +573,10 @@ def sat_gspo_surrogate(
     seq_log_ratio = (inputs.diff.detach().sum(dim=-1) / lengths.clamp(min=1)).nan_to_num_(0.0)
 
     token_proxy = _stat_proxy(inputs, log_prob, old_log_prob)
-    if granularity == "token":
+    if granularity in ("token", "token_ratio_side"):
+        side = None if granularity == "token" else torch.where(mask, seq_log_ratio.sign().unsqueeze(-1), 0.0)
         region = trust_region(token_proxy, mask, clip_low, clip_high, gate, log_prob.dtype,
-                              num_units=inputs.num_active)  # fmt: skip
+                              num_units=inputs.num_active, side=side)  # fmt: skip
     else:
         proxy = seq_log_ratio
         if proxy.dtype != stat_dtype(proxy.dtype):  # half precision: s_i from upcast inputs
@@ -589,7 +601,8 @@ def sat_gspo_surrogate(
 
     clipped = torch.gt(loss_clipped, loss_unclipped).logical_and_(mask)
     # the ratio's value is exp(min(s_i, 10)) at every token of sequence i: the band test runs per sequence
-    band_ratio = rho.detach() if granularity == "token" else torch.exp(seq_log_ratio.clamp(max=GSPO_LOG_RATIO_MAX))
+    band_ratio = rho.detach() if granularity.startswith("token") else \
+        torch.exp(seq_log_ratio.clamp(max=GSPO_LOG_RATIO_MAX))  # fmt: skip
     return SatSurrogate(
         loss_mat=loss_mat,
         mask=mask,

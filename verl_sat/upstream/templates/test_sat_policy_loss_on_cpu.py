@@ -37,7 +37,7 @@ EPS = 0.2
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 # (loss_mode, granularity, the nominal loss it contracts)
 RULES = [("sat", "sequence", "vanilla"), ("sat_gspo", "sequence", "gspo"), ("sat_gspo", "sequence_uniform", "gspo"),
-         ("sat_gspo", "token", "gspo")]  # fmt: skip
+         ("sat_gspo", "token", "gspo"), ("sat_gspo", "token_ratio_side", "gspo")]  # fmt: skip
 
 
 def _stale_batch(seed: int, batch: int = 24, length: int = 10):
@@ -132,7 +132,7 @@ def test_token_rule_gated_case_by_hand():
     assert metrics["actor/sat_intercepted_frac"] == pytest.approx(0.2)
 
 
-@pytest.mark.parametrize("granularity", ["sequence", "sequence_uniform", "token"])
+@pytest.mark.parametrize("granularity", ["sequence", "sequence_uniform", "token", "token_ratio_side"])
 def test_interval_inside_nominal_and_loss_never_below_nominal(granularity):
     gen = torch.Generator().manual_seed(2)
     old = -torch.rand(40, 12, generator=gen, dtype=torch.float64) * 3
