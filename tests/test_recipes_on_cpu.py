@@ -38,6 +38,7 @@ from verl_sat.preflight import (
     PreflightError,
     check_config,
     check_trainer_startup,
+    decoupled_sat_warnings,
     selected_trainer,
     unread_key_warnings,
 )
@@ -745,7 +746,8 @@ def test_remedy_row_is_its_base_row_plus_the_remedy_on_every_trainer(recipe, tra
     """On each asynchronous trainer, a remedy row composes to the row it is built on (Table 9's settings, the
     trainer's lag keys) with only the remedy changed: verl's registered loss and the keys verl documents for it, or
     every key of verl's rollout-correction preset, decoupled mode included. verl's dataclasses build, and the
-    preflight passes with the base row's warnings only."""
+    preflight passes with the base row's warnings only, plus, for a SAT row in decoupled mode, the warning that SAT
+    then measures the drift since pi_old."""
     remedy = REMEDIES[recipe]
     cfg, base = _composed_on(trainer, recipe), _composed_on(trainer, remedy.base)
     expected = _job(base)
@@ -758,5 +760,7 @@ def test_remedy_row_is_its_base_row_plus_the_remedy_on_every_trainer(recipe, tra
     assert actor.policy_loss.loss_mode == remedy.loss_mode and isinstance(actor.policy_loss, SatPolicyLossConfig)
     assert {key: getattr(actor, key) for key in remedy.actor} == remedy.actor
     assert isinstance(omega_conf_to_dataclass(cfg.algorithm), AlgoConfig)
-    assert check_config(cfg) == check_config(base)
+    decoupled_sat = remedy.loss_mode.startswith("sat") and remedy.correction is not None
+    assert check_config(cfg) == check_config(base) + decoupled_sat_warnings(cfg, remedy.loss_mode)
+    assert bool(decoupled_sat_warnings(cfg, remedy.loss_mode)) == decoupled_sat
     assert check_trainer_startup(cfg) == check_trainer_startup(base)
