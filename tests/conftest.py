@@ -95,6 +95,8 @@ REMEDIES = {
     # verl's examples/cispo_trainer and examples/dppo_trainer values; clip_ratio_c as the dppo row
     "cispo": Remedy("gspo", "cispo", {"clip_ratio_low": 10.0, "clip_ratio_high": 0.2}, None),
     "dppo_kl": Remedy("gspo", "dppo_kl", {"clip_ratio_low": 0.05, "clip_ratio_high": 0.05, "clip_ratio_c": 20.0}, None),
+    # verl's examples/gmpo_trainer clip
+    "geo_mean": Remedy("gspo", "geo_mean", {"clip_ratio_low": 0.4, "clip_ratio_high": 0.4}, None),
     "sat_gspo_icepop": Remedy("sat_gspo", "sat_gspo", {}, ICEPOP),
 }
 

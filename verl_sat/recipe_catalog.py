@@ -61,7 +61,7 @@ PAPER_TABLE_1 = {
 # Rows beyond the paper's Table 1 for comparing off-policy remedies under staleness: each is gspo or sat_gspo with one
 # remedy, a verl rollout-correction preset or a verl policy loss at verl's defaults (docs/recipes.md)
 REMEDY_ROWS = ("gspo_icepop", "gspo_seq_is_rs", "gspo_geo_rs", "gspo_k3_rs", "sapo", "cispo", "dppo_kl",
-               "sat_gspo_icepop")  # fmt: skip
+               "geo_mean", "sat_gspo_icepop")  # fmt: skip
 
 # SAT-GSPO with per-token scores (granularity=token), for micro-batches of few sequences, where the paper's sequence
 # scores cannot gate (docs/sat.md)
