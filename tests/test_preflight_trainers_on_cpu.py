@@ -21,7 +21,7 @@ from importlib.resources import files
 import pytest
 from omegaconf import OmegaConf
 from verl.experimental.fully_async_policy import fully_async_main
-from verl.trainer.ppo.v1 import trainer_separate_async
+from verl.trainer.ppo.v1 import trainer_base, trainer_separate_async
 
 from verl_sat.lag_presets import generate
 from verl_sat.main import compose_job, with_recipes_searchpath
@@ -109,6 +109,34 @@ def test_sat_in_decoupled_mode_warns_that_it_measures_drift_since_pi_old():
     assert len(decoupled) == 1 and "log pi - log pi_old" in decoupled[0] and "bypass_mode=true" in decoupled[0]
     for recipe in ("sat_gspo", "gspo_icepop", "sat_grpo"):
         assert not warned(recipe), recipe
+
+
+def test_pinned_v1_bypass_mode_reads_no_rollout_correction():
+    """verl's v1 trainers in bypass mode copy the rollout's log-probs and skip the correction, and never rewrite the
+    loss (the legacy and fully-async trainers call ``apply_bypass_mode``)."""
+    old_log_prob = inspect.getsource(trainer_base.PPOTrainer._compute_old_log_prob)
+    assert 'data["old_log_probs"] = data.pop("rollout_log_probs")' in old_log_prob
+    assert "return batch" in old_log_prob.split("if bypass_recomputing_logprobs:")[1].split("# 1. compute log probs")[0]
+    advantage = inspect.getsource(trainer_base.PPOTrainer._compute_advantage)
+    assert "and not bypass_recomputing_logprobs" in advantage
+    separate = inspect.getsource(trainer_separate_async.PPOTrainerSeparateAsync._compute_old_log_prob)
+    assert (
+        "return super()._compute_old_log_prob(batch, metrics)" in separate.split("if bypass_recomputing_logprobs:")[1]
+    )
+    assert "apply_bypass_mode" not in inspect.getsource(trainer_base)
+
+
+@pytest.mark.parametrize("lag", ["+lag=lag8", "+lag=colocate_async/lag8"])
+def test_bypass_presets_beyond_ppo_clip_warn_on_the_v1_trainers(lag):
+    """verl's bypass_ppo_clip_geo_rs and bypass_pg_is keys are named as unread; bypass_ppo_clip is silent."""
+    geo = [
+        "algorithm.rollout_correction.rollout_rs=seq_mean_k1",
+        "algorithm.rollout_correction.rollout_rs_threshold=0.999_1.001",
+    ]
+    pg = ["algorithm.rollout_correction.rollout_is=sequence", "algorithm.rollout_correction.loss_type=reinforce"]
+    for extra, keys in ((geo, ["rollout_rs"]), (pg, ["rollout_is", "loss_type"]), ([], [])):
+        warned = [w for w in check_config(_job(lag, *extra)) if "with bypass_mode=true is not read" in w]
+        assert [w.split("=", 1)[0] for w in warned] == [f"algorithm.rollout_correction.{k}" for k in keys], extra
 
 
 def test_fully_async_rollout_pool_is_the_top_level_one():

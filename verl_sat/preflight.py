@@ -66,6 +66,7 @@ def check_config(config: DictConfig) -> list[str]:
         *fully_async_lag_warnings(config),
         *micro_batch_warnings(actor, policy_loss, config.get("data")),
         *decoupled_sat_warnings(config, loss_mode),
+        *bypass_correction_warnings(config),
     ]
 
 
@@ -187,6 +188,28 @@ def fully_async_lag_warnings(config: DictConfig) -> list[str]:
         "flight are aborted and resumed with the new weights (async_training.partial_rollout) and newer samples can "
         f"be trained first, so the gap falls below {low}; fully_async/partial/partial_ratio shows how often. The "
         "exact regime there is +lag=sync (staleness_threshold=0, trigger_parameter_sync_step=1)"
+    ]
+
+
+def bypass_correction_warnings(config: DictConfig) -> list[str]:
+    """verl's v1 trainers read only ``bypass_mode`` of a rollout correction in bypass mode: ``_compute_old_log_prob``
+    copies the rollout's log-probs into ``old_log_probs`` and ``_compute_advantage`` skips the correction, and the loss
+    stays ``policy_loss.loss_mode`` (no ``apply_bypass_mode``). So the IS weights, rejection and REINFORCE loss type of
+    verl's ``bypass_*`` presets beyond ``bypass_ppo_clip`` do nothing there; its legacy and fully-async trainers apply
+    them by replacing the loss with ``bypass_mode``."""
+    correction = config.get("algorithm", {}).get("rollout_correction", {})
+    if not correction.get("bypass_mode", False) or selected_trainer(config) in (FULLY_ASYNC, "legacy"):
+        return []
+    unread = {key: correction.get(key) for key in ("rollout_is", "rollout_rs") if correction.get(key) is not None}
+    if correction.get("loss_type", "ppo_clip") != "ppo_clip":
+        unread["loss_type"] = correction.get("loss_type")
+    return [
+        f"algorithm.rollout_correction.{key}={value!r} with bypass_mode=true is not read by verl's v1 "
+        f"{selected_trainer(config)} trainer: in bypass mode it copies the rollout's log-probs into old_log_probs, "
+        "skips the rollout correction and keeps policy_loss.loss_mode, so the loss trains as if it were unset (verl's "
+        "bypass_ppo_clip). Use bypass_mode=false (decoupled mode, where verl applies IS weights and rejection), or "
+        "remove it"
+        for key, value in unread.items()
     ]
 
 
