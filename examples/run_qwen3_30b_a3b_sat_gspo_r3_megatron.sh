@@ -6,11 +6,15 @@
 # Nothing is downloaded: point the paths below at local copies.
 #
 #   LAG=8 bash examples/run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh                 # SAT-GSPO (per token) w/ R3, lag 8
+#   RECIPE=sat_gspo_r3 LAG=8 bash examples/run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh  # the paper's row (Eq. 20)
 #   RECIPE=gspo_r3 LAG=1 bash examples/run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh  # its base row at lag 1
 #   ... [extra verl overrides, e.g. --cfg job]
-# SAT-GSPO runs with per-token scores (sat_gspo_token_r3): a micro-batch of this token budget holds one full-length
-# sequence, and there the paper's sequence scores (RECIPE=sat_gspo_r3, Eq. 20) cannot gate, so that row would train as
-# GSPO w/ R3 (the entry point warns; docs/sat.md, docs/results.md "Sequences per micro-batch").
+# The default row, sat_gspo_token_r3, is NOT the paper's row: it is verl-sat's SAT-GSPO with per-token scores
+# (granularity=token), chosen because a micro-batch of this token budget holds one full-length sequence, and there the
+# paper's sequence scores (RECIPE=sat_gspo_r3, Eq. 20) cannot gate, so the paper's row would train as GSPO w/ R3 (the
+# entry point warns; docs/sat.md, docs/results.md "Sequences per micro-batch"). Which per-token rule to use there
+# (token, or token_ratio_side, whose gate counts only tokens its clip can act on) is still to be measured on long
+# chain-of-thought; RECIPE=sat_gspo_r3 runs the paper's row as published.
 set -euo pipefail
 
 # ---- user-adjustable --------------------------------------------------------------------------------------------
