@@ -12,7 +12,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """Side by side: the SAT losses against verl's own, ``sat`` vs ``vanilla`` and ``sat_gspo`` (the paper's sequence
-scores, and per-token scores, ``granularity=token`` and ``token_ratio_side``) vs ``gspo``.
+scores, the carried quantile ``granularity=sequence_carried``, and per-token scores, ``token`` and
+``token_ratio_side``) vs ``gspo``.
 
 For each shape, forward + backward of the registered losses on one micro-batch, timed in the same run, interleaved
 call by call on the same stale inputs (Python's GC off while timing); prints the medians and the ratio of medians.
@@ -33,12 +34,14 @@ from verl.workers.config import FSDPActorConfig
 
 from verl_sat.config import SatConfig, SatPolicyLossConfig
 from verl_sat.op_audit import CudaOpAudit
+from verl_sat.sat_math import GRANULARITIES
 
 SHAPES = [(8, 4096), (32, 8192), (64, 16384)]
 # (SAT loss, its granularity, verl's counterpart, loss_agg_mode)
 PAIRS = [("sat", "sequence", "vanilla", "token-mean"), ("sat_gspo", "sequence", "gspo", "seq-mean-token-mean"),
          ("sat_gspo", "token", "gspo", "seq-mean-token-mean"),
-         ("sat_gspo", "token_ratio_side", "gspo", "seq-mean-token-mean")]  # fmt: skip
+         ("sat_gspo", "token_ratio_side", "gspo", "seq-mean-token-mean"),
+         ("sat_gspo", "sequence_carried", "gspo", "seq-mean-token-mean")]  # fmt: skip
 SYNC_TARGET = 0  # no more host reads than verl's own loss, and no syncing operator
 RATIO_TARGET = {"cpu": 1.5, "cuda": 1.2}
 
@@ -133,8 +136,7 @@ def count_syncs(device: str) -> int:
     print("|---|---|---|---:|---|---:|")
     excess = 0
     cases = [("sat", "sequence", "vanilla", "token-mean")] + [
-        ("sat_gspo", granularity, "gspo", "seq-mean-token-mean")
-        for granularity in ("sequence", "sequence_uniform", "token", "token_ratio_side")
+        ("sat_gspo", granularity, "gspo", "seq-mean-token-mean") for granularity in GRANULARITIES
     ]
     for name, granularity, counterpart, agg in cases:
         for method in ("inverted_cdf", "linear"):

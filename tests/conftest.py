@@ -59,8 +59,22 @@ LOSS_CASES = [
     ("sat_gspo", "sequence_uniform", "gspo"),
     ("sat_gspo", "token", "gspo"),
     ("sat_gspo", "token_ratio_side", "gspo"),
+    ("sat_gspo", "sequence_carried", "gspo"),
 ]
 QUANTILE_METHODS = ["inverted_cdf", "linear"]
+
+
+@pytest.fixture(autouse=True)
+def _no_carried_scores():
+    """Every test starts with ``granularity=sequence_carried``'s process-wide ring empty (it is ``sequence`` until a
+    call adds to it), and leaves it empty."""
+    from verl_sat import losses
+
+    losses.CARRIED.clear()
+    yield
+    losses.CARRIED.clear()
+
+
 # every loss_agg_mode verl 0.9.1's ActorConfig accepts (its valid_loss_agg_modes)
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 

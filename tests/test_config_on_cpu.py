@@ -40,7 +40,7 @@ def test_defaults_match_the_spec():
         ("min_scale", 1.5, "[0, 1]"),
         ("min_scale", -0.1, "[0, 1]"),
         ("floor", -1.0, ">= 0"),
-        ("granularity", "batch", "['sequence', 'sequence_uniform', 'token', 'token_ratio_side']"),
+        ("granularity", "batch", "['sequence', 'sequence_uniform', 'sequence_carried', 'token', 'token_ratio_side']"),
         ("quantile_method", "nearest", "['inverted_cdf', 'linear']"),
     ],
 )

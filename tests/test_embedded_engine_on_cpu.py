@@ -406,6 +406,42 @@ def test_token_row_gates_where_the_papers_sequence_scores_cannot(tiny_workdir):
     assert sat_summary["last_epoch_mismatch"] == pytest.approx(gspo_summary["last_epoch_mismatch"], rel=1e-5)
 
 
+def test_dynamic_batching_packs_micro_batches_as_verls_engine(tiny_workdir, monkeypatch):
+    """``use_dynamic_bsz``: each mini-batch is split by verl's ``prepare_micro_batches`` into
+    ``ceil(tokens / budget)`` micro-batches, every one within the token budget, together the mini-batch; the forward
+    trimmed to a micro-batch's longest response gives the untrimmed forward's log-probs; the metrics count what was
+    formed."""
+    seen = []
+    real = ppo_update.micro_batches
+
+    def spy(batch, rows, actor, micro):
+        parts = real(batch, rows, actor, micro)
+        seen.append((batch, rows, parts))
+        return parts
+
+    monkeypatch.setattr(ppo_update, "micro_batches", spy)
+    budget = 64
+    _, _, records = run(tiny_workdir, "+recipe=gspo", *PAPER_LAG[1], "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
+                        "trainer.experiment_name=dynamic-bsz", steps=2)  # fmt: skip
+    assert seen
+    for batch, rows, parts in seen:
+        tokens = batch.attention_mask[rows].sum(-1)
+        assert sorted(torch.cat(parts).tolist()) == sorted(rows.tolist())
+        assert all(int(batch.attention_mask[part].sum()) <= budget for part in parts)
+        assert len(parts) == min(len(rows), -(-int(tokens.sum()) // budget)) > 1
+    steps = [r for r in records if "perf/micro_batches" in r]
+    assert [r["perf/micro_batches"] for r in steps] == [len(parts) for _, _, parts in seen]
+    assert [r["perf/max_sequences_per_micro_batch"] for r in steps] == [max(map(len, p)) for _, _, p in seen]
+    model = AutoModelForCausalLM.from_pretrained(tiny_workdir / "model", torch_dtype=torch.float32)
+    batch, _, parts = seen[-1]
+    for part in parts:
+        full, _ = ppo_update.forward(ppo_update.Policy(model), batch, part, 1.0)
+        trimmed, _ = ppo_update.forward(ppo_update.Policy(model), batch, part, 1.0, trim=True)
+        mask, longest = batch.response_mask[part], int(batch.response_mask[part].sum(-1).max())
+        assert torch.allclose(full[mask], trimmed[mask], atol=1e-6) and bool((trimmed[:, longest:] == 0).all())
+
+
 # ---- the remedy comparison rows ------------------------------------------------------------------------------------
 
 

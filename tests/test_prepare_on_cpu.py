@@ -27,8 +27,9 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.utils.reward_score import default_compute_score
 
 from verl_sat import cli
-from verl_sat.embedded.prepare import MANIFEST, PrepareSpec, WorkdirError, check_prepared, prepare
-from verl_sat.embedded.task import SPLITS, make_problems
+from verl_sat.embedded.prepare import MANIFEST, SPECS, PrepareSpec, WorkdirError, check_prepared, prepare
+from verl_sat.embedded.task import SPLITS, make_problems, to_verl_rows
+from verl_sat.embedded.tokenizer import build_char_tokenizer
 from verl_sat.embedded.warm_start import BandMissed
 from verl_sat.routing_replay import RoutingReplay
 
@@ -84,6 +85,38 @@ def test_default_task_needs_carries():
                   (p.terms for p in problems))  # fmt: skip
     assert carries / len(problems) > 0.6
     assert max(p.answer for p in problems) > 1000 and len(set(problems)) == len(problems)
+
+
+def test_chain_task_is_a_long_chain_of_thought_graded_by_verl():
+    """The long-CoT task as ``verl-sat prepare --task chain`` draws it: responses (reference + eos, in the character
+    tokenizer's tokens) averaging over 100 tokens, spread from about 20 to 230, all within ``max_response_length``;
+    the running sum of each line is right and verl's GSM8K scorer grades the last ``####`` line: the reference
+    scores 1, a wrong total 0, a line of working without the total 0. The addition task draws as it always did."""
+    spec = SPECS["chain"]
+    problems = make_problems(0, spec.max_operand, spec.num_terms, {"train": 2000, "val": 0, "test": 0},
+                             task="chain", min_terms=spec.min_terms)["train"]  # fmt: skip
+    tokenizer = build_char_tokenizer([p.question + p.solution() for p in problems])
+    lengths = [len(tokenizer(p.solution() + tokenizer.eos_token, add_special_tokens=False)["input_ids"])
+               for p in problems]  # fmt: skip
+    assert sum(lengths) / len(lengths) > 100 and min(lengths) < 40 and max(lengths) <= spec.max_response_length
+    assert torch.tensor(lengths, dtype=torch.float).std() > 40
+    assert {len(p.terms) for p in problems} == set(range(spec.min_terms, spec.num_terms + 1))
+    for problem in problems[:50]:
+        lines = problem.solution().split("\n")
+        total = problem.terms[0]
+        for line, term in zip(lines[:-1], problem.terms[1:], strict=True):
+            total += term
+            assert line.endswith(f"={total}") and f"{term}=" in line
+        assert lines[-1] == f"#### {problem.answer}"
+    row = to_verl_rows(problems[:1], "test")[0]
+    truth, solution = row["reward_model"]["ground_truth"], problems[0].solution()
+    assert default_compute_score(row["data_source"], solution, truth) == 1.0
+    assert default_compute_score(row["data_source"], solution.replace(f"#### {truth}", "#### 0"), truth) == 0.0
+    assert default_compute_score(row["data_source"], solution.split("\n")[0], truth) == 0.0
+    # the addition task's problems are those every committed run trained and was evaluated on (seed 0's first test
+    # problems before the chain task existed)
+    addition = make_problems(0, 999, 2, {"train": 20_000, "val": 200, "test": 200})
+    assert [p.terms for p in addition["test"][:3]] == [(678, 666), (208, 154), (580, 991)]
 
 
 def test_warm_start_lands_in_its_band_and_records_it(workdir):

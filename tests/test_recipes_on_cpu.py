@@ -507,7 +507,11 @@ def test_recipes_command_lists_every_row_with_the_papers_numbers():
     assert "paper Table 1" in paper_header and "remedy comparison, not in the paper's Table 1" in remedy_header
     assert "SAT variants, not in the paper's Table 1" in variant_header
     assert set(lines) == set(RECIPES) and set(remedies) == set(REMEDY_ROWS) == set(REMEDIES)
-    assert set(variants) == set(SAT_VARIANT_ROWS) == {"sat_gspo_token", "sat_gspo_token_r3"}
+    assert (
+        set(variants)
+        == set(SAT_VARIANT_ROWS)
+        == {"sat_gspo_token", "sat_gspo_token_r3", "sat_gspo_ratio_side", "sat_gspo_carried"}
+    )
     assert set(lags[1]) == set(LAGS) and set(r3[1]) == {"fsdp", "megatron"} and set(radii[1]) == {"gspo"}
     assert set(cpu[1]) == {"e2e"}
     for name, row in PAPER_TABLE_1.items():

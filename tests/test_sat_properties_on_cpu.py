@@ -32,7 +32,8 @@ from conftest import (
 )
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-from verl_sat.sat_math import sat_gspo_surrogate, sat_token_surrogate
+from verl_sat import losses
+from verl_sat.sat_math import CarriedScores, sat_gspo_surrogate, sat_token_surrogate
 
 EPS_LO, EPS_HI = 0.2, 0.28
 QUANTILE = 0.5  # a low quantile so that every case has gated tokens on both sides of 1
@@ -48,7 +49,20 @@ def _surrogate(loss, granularity, method, batch, log_prob, quantile=QUANTILE, **
     old, adv, mask = ({**tensors, **replaced}[key] for key in tensors)
     if loss == "sat":
         return sat_token_surrogate(log_prob, old, adv, mask, EPS_LO, EPS_HI, 3.0, gate)
-    return sat_gspo_surrogate(log_prob, old, adv, mask, EPS_LO, EPS_HI, gate, granularity)
+    carried = _carried(log_prob) if granularity == "sequence_carried" else None
+    return sat_gspo_surrogate(log_prob, old, adv, mask, EPS_LO, EPS_HI, gate, granularity, carried)
+
+
+def _carried(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sequence_carried``'s earlier sequences: those of another stale batch (seed 99), less stale than the tests'
+    (scale 0.05), so the pooled quantile differs from the micro-batch's own and gates a different share of it."""
+    batch = make_stale_batch(99, scale=0.05)
+    ring = CarriedScores(64)
+    ring.pooled(like)
+    gate = gate_config("sat_gspo", "sequence_carried")
+    ring.add(sat_gspo_surrogate(batch.log_prob, batch.old_log_prob, batch.advantages, batch.response_mask, EPS_LO,
+                                EPS_HI, gate, "sequence_carried", ring.pooled(like)).region)  # fmt: skip
+    return ring.pooled(like)
 
 
 def _nominal(loss, batch, log_prob):
@@ -320,8 +334,9 @@ def _gate_bound(method: str, alpha: float, units: int) -> float:
 @pytest.mark.parametrize("alpha", [0.5, 0.9, 0.95, 0.99])
 @pytest.mark.parametrize("kind", ["heavy_tailed", "ties", "tiny_batch"])
 def test_gate_rate_bound(loss, granularity, _, method, alpha, kind, sat_actor_config):
-    """8: at most 1 - alpha of the active units are gated, length-weighted for ``sequence``, for any input; the metric
-    reports the same fraction."""
+    """8: at most 1 - alpha of the active units are gated, length-weighted for ``sequence``, for any input (for
+    ``sequence_carried``: of the active and the carried units together); the metric reports the same fraction (through
+    verl's registry, each call with the ring empty: the micro-batch's own quantile)."""
     if kind == "tiny_batch":
         batch = make_stale_batch(10, num_prompts=1, group=3, length=6)
     else:
@@ -333,12 +348,20 @@ def test_gate_rate_bound(loss, granularity, _, method, alpha, kind, sat_actor_co
     weight = region.weight if region.weight is not None else region.unit_mask.long()
     units = int(weight.sum())
     gated_units = int((weight * region.gated).sum())
-    assert gated_units <= _gate_bound(method, alpha, units)
+    pooled_units = units + (int(_carried(batch.log_prob)[1].sum()) if granularity == "sequence_carried" else 0)
+    assert gated_units <= _gate_bound(method, alpha, pooled_units)
     if method == "inverted_cdf":
-        assert gated_units <= (1 - alpha) * units + 1e-9
+        assert gated_units <= (1 - alpha) * pooled_units + 1e-9
+    if granularity == "sequence_carried":  # the registry's calls below start from an empty ring
+        empty = (torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.int64))
+        gate = gate_config(loss, granularity, quantile=alpha, quantile_method=method)
+        region = sat_gspo_surrogate(batch.log_prob, batch.old_log_prob, batch.advantages, batch.response_mask, EPS_LO,
+                                    EPS_HI, gate, granularity, empty).region  # fmt: skip
+        gated_units = int((region.weight * region.gated).sum())
     object.__setattr__(sat_actor_config.policy_loss, "sat", gate_config(loss, granularity, quantile=alpha,
                                                                         quantile_method=method))  # fmt: skip
     for agg in AGG_MODES:
+        losses.CARRIED.clear()
         _, metrics = get_policy_loss_fn(loss)(
             batch.old_log_prob, batch.log_prob, batch.advantages, batch.response_mask, agg, sat_actor_config
         )

@@ -24,8 +24,8 @@ import torch
 from conftest import AGG_MODES, QUANTILE_METHODS, gate_config
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-from verl_sat import inert_sat
-from verl_sat.sat_math import sat_gspo_surrogate, sat_token_surrogate
+from verl_sat import inert_sat, losses
+from verl_sat.sat_math import CarriedScores, sat_gspo_surrogate, sat_token_surrogate, tail_quantile
 
 GRANULARITIES = ["sequence", "sequence_uniform", "token", "token_ratio_side"]
 
@@ -46,6 +46,95 @@ def _surrogate(granularity, method, alpha, batch):
     log_prob, old, adv, mask = batch
     gate = gate_config("sat_gspo", granularity, quantile=alpha, quantile_method=method)
     return sat_gspo_surrogate(log_prob, old, adv, mask, 0.2, 0.2, gate, granularity)
+
+
+@pytest.mark.parametrize("method", QUANTILE_METHODS)
+def test_sequence_carried_with_nothing_carried_is_the_papers_sequence_rule(method):
+    """Before any sequence was carried (every slot weight 0) the rule is Eq. 20 bit for bit: loss, gradient, gate."""
+    for sequences in (1, 4, 16):
+        results = {}
+        for granularity in ("sequence", "sequence_carried"):
+            log_prob, old, adv, mask = _micro_batch(sequences, 7)
+            log_prob.requires_grad_()
+            gate = gate_config("sat_gspo", granularity, quantile=0.9, quantile_method=method)
+            carried = CarriedScores(32).pooled(log_prob) if granularity == "sequence_carried" else None
+            out = sat_gspo_surrogate(log_prob, old, adv, mask, 0.2, 0.2, gate, granularity, carried)
+            out.loss_mat.sum().backward()
+            results[granularity] = (out, log_prob.grad)
+        (paper, paper_grad), (carried_out, carried_grad) = results["sequence"], results["sequence_carried"]
+        assert torch.equal(paper.loss_mat, carried_out.loss_mat) and torch.equal(paper_grad, carried_grad)
+        assert torch.equal(paper.region.gate, carried_out.region.gate)
+        assert torch.equal(paper.region.quantile, carried_out.region.quantile)
+
+
+@pytest.mark.parametrize("method", QUANTILE_METHODS)
+def test_sequence_carried_quantile_is_over_this_and_the_carried_sequences(method):
+    """One sequence per micro-batch, as long-CoT micro-batches hold: the paper's quantile is its own score and gates
+    nothing, the carried quantile is the length-weighted quantile of the last K sequences and this one (checked
+    against ``tail_quantile`` over their concatenation), and it gates the micro-batch's sequence when its drift lies
+    in that tail. Every gated sequence is one the clip acts on: a ratio beyond the contracted endpoint gets zero
+    gradient and counts as intercepted. The ring keeps exactly the last K sequences."""
+    ring = CarriedScores(size=12)
+    gate = gate_config("sat_gspo", "sequence_carried", quantile=0.9, quantile_method=method)
+    seen_scores, seen_lengths, gated_calls = [], [], 0
+    for call in range(40):
+        log_prob, old, _, mask = _micro_batch(1, 100 + call, lengths=(20, 40), scale=0.02)
+        # every tenth sequence drifts far, inside the band, each further than the last (so it lies above the
+        # quantile even when the previous far one is still carried)
+        log_prob = log_prob + (0.1 + 0.01 * (call // 10) if call % 10 == 9 else 0.0)
+        adv = torch.ones_like(old)
+        log_prob.requires_grad_()
+        pooled = ring.pooled(log_prob)
+        out = sat_gspo_surrogate(log_prob, old, adv, mask, 0.2, 0.2, gate, "sequence_carried", pooled)
+        out.loss_mat.sum().backward()
+        score = float(out.region.abs_proxy.reshape(-1)[0])
+        length = int(mask.sum())
+        values = torch.tensor([*seen_scores[-12:], score], dtype=torch.float64)
+        weights = torch.tensor([*seen_lengths[-12:], length])
+        expected_q = tail_quantile(values, weights > 0, 0.9, method, weight=weights)
+        assert torch.equal(out.region.quantile, expected_q), call
+        is_gated = bool(out.region.gate.reshape(-1)[0])
+        assert is_gated == (score > float(expected_q) > 0.0), call
+        if is_gated:
+            gated_calls += 1
+            seq_ratio = math.exp(float((log_prob - old).detach()[mask].mean()))
+            if seq_ratio > float(out.region.upper.reshape(-1)[0]):  # beyond the contracted endpoint: clipped
+                assert torch.all(log_prob.grad[mask] == 0) and bool(out.intercepted[mask].all())
+        ring.add(out.region)
+        seen_scores.append(score)
+        seen_lengths.append(length)
+        kept_scores, kept_lengths = ring.pooled(log_prob)
+        n = min(len(seen_scores), 12)
+        assert torch.equal(kept_lengths[-n:], torch.tensor(seen_lengths[-n:]))
+        assert torch.equal(kept_scores[-n:], torch.tensor(seen_scores[-n:], dtype=torch.float64))
+    assert gated_calls >= 4  # the far-drifting sequences were gated (and possibly a near one), one per micro-batch
+
+
+def test_sequence_carried_acts_through_verls_loss_at_one_sequence_per_micro_batch():
+    """Through verl's registry, the process-wide ring: the paper's ``sequence`` rule is structurally empty on every
+    one-sequence micro-batch; ``sequence_carried`` only until ten sequences are pooled, and then gates and
+    intercepts."""
+    config = {g: _actor_config("sat_gspo", g) for g in ("sequence", "sequence_carried")}
+    loss = get_policy_loss_fn("sat_gspo")
+    losses.CARRIED.clear()
+    try:
+        totals = {g: [0.0, 0.0, 0.0] for g in config}  # structurally empty, gated, intercepted
+        for call in range(30):
+            log_prob, old, _, mask = _micro_batch(1, 200 + call, lengths=(30, 30), scale=0.02)
+            log_prob = log_prob + (0.1 + 0.01 * (call // 10) if call % 10 == 9 else 0.0)  # as above
+            adv = torch.ones_like(old)
+            for granularity, actor in config.items():
+                _, metrics = loss(old, log_prob, adv, mask, "seq-mean-token-mean", actor)
+                if call == 0:
+                    assert metrics["actor/sat_structurally_empty_frac"] == 1.0
+                totals[granularity][0] += metrics["actor/sat_structurally_empty_frac"]
+                totals[granularity][1] += metrics["actor/sat_gate_rate"]
+                totals[granularity][2] += metrics["actor/sat_intercepted_frac"]
+        assert totals["sequence"] == [30.0, 0.0, 0.0]
+        assert totals["sequence_carried"][0] == 9.0  # equal lengths: until 10 sequences are pooled (alpha 0.9)
+        assert totals["sequence_carried"][1] >= 3.0 and totals["sequence_carried"][2] >= 3.0
+    finally:
+        losses.CARRIED.clear()
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)

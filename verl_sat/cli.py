@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--workdir", default="verl_sat_work", help="output folder (default: verl_sat_work)")
     prep.add_argument("--seed", type=int, default=0, help="seed: the same seed gives the same files")
     prep.add_argument("--if-needed", action="store_true", help="do nothing if the workdir is prepared and current")
+    prep.add_argument("--task", default="addition", choices=("addition", "chain"),
+                      help="addition (answers of a few tokens, the default) or chain (a long chain of thought of "
+                      "20-250 tokens; train it with +embedded=long_cot)")  # fmt: skip
     prep.add_argument(
         "--band",
         default="0.30,0.45",
@@ -107,27 +110,27 @@ def _band(text: str) -> tuple[float, float]:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from verl_sat.embedded.prepare import WorkdirError, check_prepared, prepare
+    from verl_sat.embedded.prepare import SPECS, WorkdirError, check_prepared, prepare
     from verl_sat.embedded.warm_start import BandMissed
 
     if args.if_needed:
         try:
-            check_prepared(args.workdir, band=args.band)
+            check_prepared(args.workdir, band=args.band, task=args.task)
             print(f"{args.workdir} is prepared")
             return 0
         except WorkdirError as err:
             print(f"{err}; preparing")
     try:
-        manifest = prepare(args.workdir, args.seed, band=args.band)
+        manifest = prepare(args.workdir, args.seed, spec=SPECS[args.task], band=args.band)
     except BandMissed as err:
         print(f"verl-sat prepare: the warm start missed its band: {err}", file=sys.stderr)
         return 1
     m, (low, high) = manifest, args.band
     print(
-        f"prepared {args.workdir}: {m['num_parameters']:,}-parameter MoE policy, {m['num_train']:,} train / "
-        f"{m['num_val']} val / {m['num_test']} test problems; warm start {m['warm_start_steps']} steps to greedy "
-        f"validation accuracy {m['val_accuracy']:.1%} (band {low:.0%}-{high:.0%}), test "
-        f"{m['test_accuracy_before_warm_start']:.1%} -> {m['test_accuracy']:.1%}"
+        f"prepared {args.workdir} ({m['task']}): {m['num_parameters']:,}-parameter MoE policy, "
+        f"{m['num_train']:,} train / {m['num_val']} val / {m['num_test']} test problems; warm start "
+        f"{m['warm_start_steps']} steps to greedy validation accuracy {m['val_accuracy']:.1%} "
+        f"(band {low:.0%}-{high:.0%}), test {m['test_accuracy_before_warm_start']:.1%} -> {m['test_accuracy']:.1%}"
     )
     return 0
 

@@ -27,11 +27,13 @@ from verl.workers.config import ActorConfig
 
 from verl_sat.config import SAT_KEY_FORMAT, sat_params_of
 from verl_sat.inert_sat import INERT_MONITOR, radius_check
-from verl_sat.sat_math import SatSurrogate, sat_gspo_surrogate, sat_token_surrogate
+from verl_sat.sat_math import CarriedScores, SatSurrogate, sat_gspo_surrogate, sat_token_surrogate
 from verl_sat.verl_own_losses import keep_verl_own, verl_own
 
 # where verl already registers sat / sat_gspo (the core pull request), its own stay registered (bottom of this module)
 _VERL_OWN = verl_own()
+# granularity=sequence_carried: the sequence scores this process's sat_gspo calls saw last, for the next quantile
+CARRIED = CarriedScores()
 
 
 @register_policy_loss("sat")  # type: ignore[arg-type]
@@ -79,9 +81,12 @@ def compute_policy_loss_sat_gspo(
     clip_low, clip_high = _sat_clip_radii(config)
     sat = sat_params_of(config.policy_loss, "sat_gspo")
 
+    carried = CARRIED.pooled(log_prob) if sat.granularity == "sequence_carried" else None
     out = sat_gspo_surrogate(
-        log_prob, old_log_prob, advantages, response_mask, clip_low, clip_high, sat, sat.granularity
+        log_prob, old_log_prob, advantages, response_mask, clip_low, clip_high, sat, sat.granularity, carried
     )
+    if carried is not None:
+        CARRIED.add(out.region)
     return _sat_aggregate(out, loss_agg_mode, config, rollout_is_weights, clip_low, clip_high, sat.quantile)
 
 

@@ -65,7 +65,7 @@ REMEDY_ROWS = ("gspo_icepop", "gspo_seq_is_rs", "gspo_geo_rs", "gspo_k3_rs", "sa
 
 # SAT-GSPO with per-token scores (granularity=token), for micro-batches of few sequences, where the paper's sequence
 # scores cannot gate (docs/sat.md)
-SAT_VARIANT_ROWS = ("sat_gspo_token", "sat_gspo_token_r3")
+SAT_VARIANT_ROWS = ("sat_gspo_token", "sat_gspo_token_r3", "sat_gspo_ratio_side", "sat_gspo_carried")
 
 
 def describe(group: str) -> dict[str, str]:

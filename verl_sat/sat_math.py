@@ -33,7 +33,8 @@ import torch
 LOG_RATIO_CLAMP = 20.0  # |lp - lp_old| clamp of the token rule and the proxy (Eq. 13), as verl's `vanilla`
 GSPO_LOG_RATIO_MAX = 10.0  # upper clamp of the GSPO-token log-ratio, as verl's `gspo`
 KERNELS = ("hill", "hill_shifted")
-GRANULARITIES = ("sequence", "sequence_uniform", "token", "token_ratio_side")
+GRANULARITIES = ("sequence", "sequence_uniform", "sequence_carried", "token", "token_ratio_side")
+CARRIED_SEQUENCES = 256  # ``sequence_carried``: the most recent sequence scores pooled into the quantile
 QUANTILE_METHODS = ("inverted_cdf", "linear")
 
 
@@ -57,7 +58,9 @@ class SatParams:
         floor (float): Gate only when the quantile q exceeds this value (>= 0); avoids gating pure noise.
         granularity (str): SAT score unit of the GSPO surrogate: "sequence" (s_i broadcast to the sequence's active
             tokens, quantile over tokens: length-weighted, Eq. 20), "sequence_uniform" (quantile over sequences,
-            each once), "token" (per-token scores, each gated token contracting the endpoint its own d_t drifted
+            each once), "sequence_carried" (as "sequence", the quantile over this micro-batch's sequences and the
+            last ``CARRIED_SEQUENCES`` ones the process scored before it, detached: no gate is empty for lack of
+            sequences), "token" (per-token scores, each gated token contracting the endpoint its own d_t drifted
             toward) or "token_ratio_side" (per-token scores and gate, the contracted endpoint the one the sequence
             ratio exp(s_i) drifted toward, so every gated token is one the clip can act on). The token-level loss is
             always per token and refuses any other value.
@@ -368,6 +371,7 @@ def trust_region(
     weight: torch.Tensor | None = None,
     num_units: torch.Tensor | None = None,
     side: torch.Tensor | None = None,
+    carried: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> TrustRegion:
     """Tail gate, kernel and sign-selected endpoint contraction (Eqs. 14-17).
 
@@ -381,15 +385,24 @@ def trust_region(
         num_units: the active units (``unit_mask`` count, or the weight sum), when the caller has it already.
         side: optional -1 / 0 / +1 per unit (``proxy``'s shape): the endpoint a gated unit contracts, instead of the
             sign of its own ``d``; a unit of side 0 is not gated (nothing has drifted for the clip to act on).
+        carried: optional ``(a, weight)``, ``[K]`` detached ``|d|`` (stat dtype) and int64 weights of units scored
+            before (0 and 0 in empty slots), pooled with this call's units into the quantile only (needs ``weight``);
+            ``num_units`` and the statistics stay this call's.
     """
     # the statistics are detached, fresh tensors: updated in place (each fresh CPU temporary costs page faults)
     d = proxy.detach().to(stat_dtype(proxy.dtype))
     a = d.abs()  # 0 at inactive units, as d
     if num_units is None:
         num_units = torch.count_nonzero(unit_mask) if weight is None else weight.sum()
-    ranks = quantile_ranks(num_units, gate.quantile, gate.quantile_method)
-    q = _masked_tail_quantile(a, num_units, gate.quantile, gate.quantile_method, weight, ranks)
-    empty = structurally_empty(a, unit_mask, weight, num_units, ranks[0][:1]) if a.numel() else a.new_zeros(())
+    pool_a, pool_mask, pool_weight, pool_units = a, unit_mask, weight, num_units
+    if carried is not None:  # the quantile of this call's units and the carried ones together
+        pool_a = torch.cat([a.reshape(-1), carried[0].to(a.dtype)])
+        pool_weight = torch.cat([weight.reshape(-1), carried[1]])
+        pool_mask, pool_units = pool_weight > 0, num_units + carried[1].sum()
+    ranks = quantile_ranks(pool_units, gate.quantile, gate.quantile_method)
+    q = _masked_tail_quantile(pool_a, pool_units, gate.quantile, gate.quantile_method, pool_weight, ranks)
+    empty = structurally_empty(pool_a, pool_mask, pool_weight, pool_units, ranks[0][:1]) if a.numel() else \
+        a.new_zeros(())  # fmt: skip
     # 1.0 where a > threshold (a - threshold has sign +1), 0.0 elsewhere: inactive units have a = 0 <= q
     threshold = q.masked_fill(q <= gate.floor, math.inf)
     gated = torch.sub(a, threshold).sign_().clamp_(min=0.0)
@@ -547,6 +560,7 @@ def sat_gspo_surrogate(
     clip_high: float,
     gate: SatParams,
     granularity: str = "sequence",
+    carried: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> SatSurrogate:
     """GSPO-token surrogate with SAT endpoints (Eqs. 19-20), no dual clip. The ratio is built exactly as verl's
     ``gspo`` builds it, ``log rho = lp - sg(lp) + sg(s_i)`` clamped at 10, with ``s_i`` the mean of ``lp - lp_old``
@@ -559,10 +573,12 @@ def sat_gspo_surrogate(
     ``sequence_uniform`` counts each non-empty sequence once; ``token`` scores, gates and contracts per token, each
     gated token on the side its own ``d_t`` drifted to; ``token_ratio_side`` scores and gates per token and contracts
     the endpoint on the side ``s_i`` (the ratio's drift) lies, so a gated token's clip can act on the ratio, and a
-    token of a sequence with ``s_i = 0`` is never gated. A sequence's factors apply to all its tokens.
+    token of a sequence with ``s_i = 0`` is never gated; ``sequence_carried`` is ``sequence`` with the quantile over
+    this micro-batch's sequences and the ``carried`` ones. A sequence's factors apply to all its tokens.
 
     Args:
         log_prob, old_log_prob, advantages: ``[B, T]``; response_mask: ``[B, T]`` bool or 0/1.
+        carried: ``sequence_carried`` only: ``(|s|, lengths)`` of earlier sequences, ``[K]`` each (``CarriedScores``).
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"unknown SAT granularity {granularity!r}; expected one of {list(GRANULARITIES)}")
@@ -583,12 +599,16 @@ def sat_gspo_surrogate(
             upcast = torch.where(mask, log_prob.detach().float() - old_log_prob.float(), 0.0)
             proxy = (upcast.sum(dim=-1) / lengths.clamp(min=1)).nan_to_num_(0.0)
         proxy = _clamp_log_ratio(proxy)
-        if granularity == "sequence":  # length-weighted (Eq. 20): the units it saw are the active tokens
+        if granularity != "sequence_uniform":  # length-weighted (Eq. 20): the units it saw are the active tokens
             weight, num_units = lengths.unsqueeze(-1), inputs.num_active
         else:
             weight, num_units = None, None
+        if granularity != "sequence_carried":
+            carried = None
+        elif carried is None:
+            raise ValueError("granularity 'sequence_carried' needs the carried scores (CarriedScores.pooled())")
         region = trust_region(proxy.unsqueeze(-1), (lengths > 0).unsqueeze(-1), clip_low, clip_high, gate,
-                              log_prob.dtype, weight=weight, num_units=num_units)  # fmt: skip
+                              log_prob.dtype, weight=weight, num_units=num_units, carried=carried)  # fmt: skip
 
     # value s_i, gradient d lp, as verl's gspo; NaN and +-inf log-probs contribute neither (their tokens carry a zero
     # multiplier, and no inf - inf arises)
@@ -615,3 +635,30 @@ def sat_gspo_surrogate(
         region=region,
         num_sequences=torch.count_nonzero(lengths),
     )
+
+
+class CarriedScores:
+    """The last ``size`` sequence scores ``|s_i|`` and lengths a process's ``sequence_carried`` gate saw, detached,
+    for the next call's quantile (no extra forward: they are scores already computed). A ring of static size on the
+    scores' device, updated with ``cat`` and a slice (no host read); slots never filled hold weight 0."""
+
+    def __init__(self, size: int = CARRIED_SEQUENCES):
+        self.size = size
+        self._scores: torch.Tensor | None = None
+        self._lengths: torch.Tensor | None = None
+
+    def pooled(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([size] |s|, [size] int64 lengths)`` on ``like``'s device, in its stat dtype; zeros before any call."""
+        dtype = stat_dtype(like.dtype)
+        if self._scores is None or self._scores.device != like.device:
+            self._scores = torch.zeros(self.size, dtype=dtype, device=like.device)
+            self._lengths = torch.zeros(self.size, dtype=torch.int64, device=like.device)
+        return self._scores.to(dtype), self._lengths
+
+    def add(self, region: TrustRegion) -> None:
+        """Carry ``region``'s sequences (``[B, 1]`` ``|s|`` and lengths, 0 for empty sequences), newest last."""
+        self._scores = torch.cat([self._scores, region.abs_proxy.reshape(-1).to(self._scores.dtype)])[-self.size :]
+        self._lengths = torch.cat([self._lengths, region.weight.reshape(-1)])[-self.size :]
+
+    def clear(self) -> None:
+        self._scores = self._lengths = None

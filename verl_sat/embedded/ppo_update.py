@@ -17,9 +17,10 @@ Before any update (no grad): the reference policy's log-probs for the KL loss, `
 bypass mode; in decoupled mode the trainer's own log-probs at the start of the sync cycle, with IS weights from
 verl's rollout-correction helper), and π(ℓ) for the staleness attribution. Then the batch is trained as
 ``parameter_sync_step`` chunks of whole GRPO groups; each chunk runs ``ppo_epochs`` passes over its mini-batches,
-one optimizer step each, micro-batches accumulated. The loss is verl's ``ppo_loss`` (the registered policy loss,
-entropy and KL terms, global batch sizes), fed the packed per-token outputs verl's engine produces. A non-finite
-gradient norm skips the optimizer step, as verl's engine does.
+one optimizer step each, micro-batches accumulated (``ppo_micro_batch_size_per_gpu`` sequences each, or packed by
+verl's token budget under ``use_dynamic_bsz``, with verl's own ``prepare_micro_batches``). The loss is verl's
+``ppo_loss`` (the registered policy loss, entropy and KL terms, global batch sizes), fed the packed per-token outputs
+verl's engine produces. A non-finite gradient norm skips the optimizer step, as verl's engine does.
 """
 
 import inspect
@@ -38,6 +39,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.metric.utils import Metric
 from verl.utils.torch_functional import entropy_from_logits
 from verl.workers.config import ActorConfig
+from verl.workers.engine.utils import prepare_micro_batches
 from verl.workers.utils.losses import ppo_loss
 
 from verl_sat.config import sat_params_of
@@ -69,20 +71,35 @@ def advantages(batch: RolloutBatch, algo: AlgoConfig) -> torch.Tensor:
     return estimator(**kwargs)[0]
 
 
-def forward(policy: Policy, batch: RolloutBatch, rows: torch.Tensor, temperature: float, with_entropy: bool = False):
+def forward(
+    policy: Policy,
+    batch: RolloutBatch,
+    rows: torch.Tensor,
+    temperature: float,
+    with_entropy: bool = False,
+    trim: bool = False,
+):
     """``[n, R]`` log-probs of the sampled tokens for ``rows`` under ``logits / temperature`` (and their entropy),
-    replaying the rollout's routes for R3."""
+    replaying the rollout's routes for R3. ``trim``: run the model only up to the rows' longest response (the padding
+    after it cannot change a causal model's outputs before it), as verl's engine drops padding; 0 beyond."""
     device = next(policy.model.parameters()).device
-    ids, mask = batch.input_ids[rows].to(device), batch.attention_mask[rows].to(device)
+    width = batch.input_ids.shape[1]
+    if trim:
+        width = batch.prompt_len + int(batch.response_mask[rows].sum(-1).max())
+    ids, mask = batch.input_ids[rows, :width].to(device), batch.attention_mask[rows, :width].to(device)
     inputs = dict(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask))
     if policy.routing is None:
         logits = policy.model(**inputs).logits
     else:
-        with policy.routing.replay(batch.routed_experts[rows].to(device)):
+        with policy.routing.replay(batch.routed_experts[rows, :width].to(device)):
             logits = policy.model(**inputs).logits
     prompt_len = batch.prompt_len
     log_prob = response_log_probs(logits, ids, prompt_len, temperature)
     entropy = entropy_from_logits(logits[:, prompt_len - 1 : -1].float() / temperature) if with_entropy else None
+    pad = batch.input_ids.shape[1] - width
+    if pad:
+        log_prob = torch.nn.functional.pad(log_prob, (0, pad))
+        entropy = None if entropy is None else torch.nn.functional.pad(entropy, (0, pad))
     return log_prob, entropy
 
 
@@ -91,6 +108,18 @@ def batch_log_probs(policy: Policy, batch: RolloutBatch, temperature: float, mic
     """``[N, R]`` log-probs of the whole batch, micro-batch by micro-batch (no grad)."""
     rows = torch.arange(batch.input_ids.shape[0])
     return torch.cat([forward(policy, batch, part, temperature)[0].cpu() for part in rows.split(micro)])
+
+
+def micro_batches(batch: RolloutBatch, rows: torch.Tensor, actor: ActorConfig, micro: int) -> list[torch.Tensor]:
+    """The micro-batches of a mini-batch's ``rows``: ``micro`` sequences each, or, under ``use_dynamic_bsz``, as
+    verl's engine packs them, at most ``ppo_max_token_len_per_gpu`` tokens (prompt + response) each, balanced."""
+    if not actor.use_dynamic_bsz:
+        return list(rows.split(micro))
+    data = TensorDict({"input_ids": batch.input_ids[rows], "attention_mask": batch.attention_mask[rows].long()},
+                      batch_size=[len(rows)])  # fmt: skip
+    tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=actor.ppo_max_token_len_per_gpu)
+    _, index_lists = prepare_micro_batches(data)
+    return [rows[torch.tensor(index)] for index in index_lists]
 
 
 def pack(values: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -147,6 +176,7 @@ def train_step(
     mask = batch.response_mask.clone()
     rollout = batch.rollout_log_prob
     metrics_in: dict[str, list] = defaultdict(list)
+    shapes: dict[str, list[int]] = defaultdict(list)  # micro-batches per optimizer step, sequences in the largest
     step_metrics: dict[str, float] = {}
 
     start = time.perf_counter()
@@ -182,8 +212,11 @@ def train_step(
                 optimizer.zero_grad(set_to_none=True)
                 info = dict(dp_size=1, batch_num_tokens=int(mask[mini_rows].sum()), global_batch_size=len(mini_rows))
                 mini_metrics: dict[str, list] = defaultdict(list)
-                for rows in mini_rows.split(micro):
-                    log_prob, entropy = forward(policy, batch, rows, temperature, with_entropy)
+                parts = micro_batches(batch, mini_rows, actor, micro)
+                shapes["perf/micro_batches"].append(len(parts))
+                shapes["perf/max_sequences_per_micro_batch"].append(max(map(len, parts)))
+                for rows in parts:
+                    log_prob, entropy = forward(policy, batch, rows, temperature, with_entropy, actor.use_dynamic_bsz)
                     fields = {
                         "prompts": batch.input_ids[rows, : batch.prompt_len],
                         "responses": batch.input_ids[rows, batch.prompt_len :],
@@ -223,6 +256,8 @@ def train_step(
                     after_optimizer_step(len(grad_norms))
     out = {key: float(np.mean(values)) for key, values in metrics_in.items()}
     out.update(step_metrics)
+    out["perf/micro_batches"] = float(np.mean(shapes["perf/micro_batches"]))
+    out["perf/max_sequences_per_micro_batch"] = max(shapes["perf/max_sequences_per_micro_batch"])
     out["actor/grad_norm"] = float(np.mean(grad_norms))
     out["actor/optimizer_steps"] = len(grad_norms)
     out["actor/skipped_optimizer_steps"] = skipped

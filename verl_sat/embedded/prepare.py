@@ -15,7 +15,10 @@
 
     DIR/model/            Qwen3-MoE policy + character tokenizer (save_pretrained; verl and transformers load it)
     DIR/data/{train,val,test}.parquet   verl's RL parquet format, scored by verl's GSM8K scorer
-    DIR/prepare.json      what was built: seed, sizes, band, warm-start steps and evaluations, accuracies
+    DIR/prepare.json      what was built: task, seed, sizes, band, warm-start steps and evaluations, accuracies
+
+Two tasks (``--task``, ``SPECS``): ``addition``, answered in a few tokens, and ``chain``, a long chain of thought of
+20-250 tokens (see ``task.py``); the engine's ``+embedded=long_cot`` defaults run the second.
 
 The warm start stops when greedy accuracy on the validation split lands in the target band (``--band``), so RL
 starts with headroom on any machine. The folder is built under ``DIR/.prepare-tmp`` and renamed into place at the
@@ -31,7 +34,7 @@ import pandas as pd
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from verl_sat.embedded.task import SPLITS, make_problems, to_verl_rows
+from verl_sat.embedded.task import SPLITS, TASKS, make_problems, to_verl_rows
 from verl_sat.embedded.tokenizer import build_char_tokenizer
 from verl_sat.embedded.warm_start import greedy_accuracy, prompt_set, warm_start
 
@@ -44,9 +47,9 @@ class WorkdirError(RuntimeError):
     """A workdir that `verl-sat train` cannot use; the message says which `verl-sat prepare` command to run."""
 
 
-def check_prepared(workdir: str | Path, band: tuple[float, float] | None = None) -> dict:
-    """The manifest of a prepared, current workdir (warm-started into ``band``, when given), or ``WorkdirError``
-    naming the command that fixes it."""
+def check_prepared(workdir: str | Path, band: tuple[float, float] | None = None, task: str | None = None) -> dict:
+    """The manifest of a prepared, current workdir (warm-started into ``band`` and holding ``task``, when given), or
+    ``WorkdirError`` naming the command that fixes it."""
     workdir = Path(workdir)
     command = f"verl-sat prepare --workdir {workdir}"
     manifest_path = workdir / MANIFEST
@@ -64,6 +67,8 @@ def check_prepared(workdir: str | Path, band: tuple[float, float] | None = None)
         raise WorkdirError(f"{workdir} is incomplete (missing {', '.join(missing)}): run `{command}` again")
     if band is not None and tuple(manifest["band"]) != tuple(band):
         raise WorkdirError(f"{workdir} was warm-started into the band {manifest['band']}, not {list(band)}")
+    if task is not None and manifest.get("task", "addition") != task:
+        raise WorkdirError(f"{workdir} holds the task {manifest.get('task', 'addition')!r}, not {task!r}")
     return manifest
 
 
@@ -72,8 +77,10 @@ class PrepareSpec:
     """Sizes of the task, the policy and the warm start. Defaults: three-digit addition (carries), a 4-layer
     8-expert Qwen3-MoE of 1.8M parameters, warm-started into the band in a few minutes on a 2-core CPU."""
 
+    task: str = "addition"  # one of task.TASKS
     max_operand: int = 999  # operands in [0, max_operand]
-    num_terms: int = 2  # operands per problem
+    num_terms: int = 2  # operands per problem (chain: the most)
+    min_terms: int = 0  # chain: the fewest operands per problem (the count is uniform in [min_terms, num_terms])
     num_train: int = 20_000  # RL prompts and warm-start examples
     num_val: int = 200  # the warm start's stopping split (never trained on)
     num_test: int = 200  # RL's evaluation split (never trained on)
@@ -87,6 +94,22 @@ class PrepareSpec:
     warm_start_lr: float = 1e-3
     warm_start_eval_every: int = 100  # steps between validation evaluations (halved after an overshoot)
     warm_start_max_steps: int = 20_000
+    max_position_embeddings: int = 128  # prompt + response fit with room to spare
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"task={self.task!r}: expected one of {list(TASKS)}")
+
+
+# the prepared tasks, by `verl-sat prepare --task`: chain's longest response is 230 tokens plus eos, its longest
+# prompt 75 tokens; its warm start takes smaller batches at a higher rate (each step costs ~10x addition's tokens) and
+# its evaluations half the problems
+SPECS = {
+    "addition": PrepareSpec(),
+    "chain": PrepareSpec(task="chain", max_operand=9, num_terms=24, min_terms=3, num_val=100, num_test=100,
+                         max_response_length=256, max_position_embeddings=512, warm_start_batch=32,
+                         warm_start_lr=2e-3),
+}  # fmt: skip
 
 
 def build_policy(vocab_size: int, pad_id: int, eos_id: int, spec: PrepareSpec) -> Qwen3MoeForCausalLM:
@@ -94,7 +117,8 @@ def build_policy(vocab_size: int, pad_id: int, eos_id: int, spec: PrepareSpec) -
         vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=2 * spec.hidden_size,
         moe_intermediate_size=spec.hidden_size, num_hidden_layers=spec.num_layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=spec.head_dim, num_experts=spec.num_experts,
-        num_experts_per_tok=spec.top_k, norm_topk_prob=True, max_position_embeddings=128, pad_token_id=pad_id,
+        num_experts_per_tok=spec.top_k, norm_topk_prob=True, max_position_embeddings=spec.max_position_embeddings,
+        pad_token_id=pad_id,
         eos_token_id=eos_id, bos_token_id=None, tie_word_embeddings=True,
     )  # fmt: skip
     return Qwen3MoeForCausalLM(config)
@@ -119,7 +143,8 @@ def prepare(
     torch.manual_seed(seed)  # the initial weights (prepare is single-threaded; training runs draw from generators)
 
     problems = make_problems(seed, spec.max_operand, spec.num_terms,
-                             {"train": spec.num_train, "val": spec.num_val, "test": spec.num_test})  # fmt: skip
+                             {"train": spec.num_train, "val": spec.num_val, "test": spec.num_test},
+                             task=spec.task, min_terms=spec.min_terms)  # fmt: skip
     tokenizer = build_char_tokenizer([p.question + p.solution() for split in problems.values() for p in split])
     model = build_policy(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, spec)
     for split, rows in problems.items():
@@ -136,6 +161,7 @@ def prepare(
     tokenizer.save_pretrained(tmp / "model")
     manifest = {
         "format": FORMAT,
+        "task": spec.task,
         "seed": seed,
         "spec": asdict(spec),
         "band": [low, high],

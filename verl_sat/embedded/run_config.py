@@ -53,6 +53,7 @@ READ_KEYS = frozenset(
                                  "val_kwargs.n", "val_kwargs.temperature", "val_kwargs.do_sample")),
         *(_ACTOR + k for k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode",
                                "loss_scale_factor", "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu",
+                               "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
                                "ppo_epochs", "shuffle", "use_kl_loss", "kl_loss_type", "kl_loss_coef",
                                "entropy_coeff", "optim.lr", "optim.betas", "optim.weight_decay", "optim.clip_grad",
                                "optim.optimizer", "optim.optimizer_impl", "optim.override_optimizer_config",
@@ -278,7 +279,15 @@ def compose_train_config(workdir: str | Path, args: list[str]) -> tuple[DictConf
         raise EmbeddedConfigError(f"trainer.device={device!r} but no CUDA device is available; use trainer.device=cpu")
     model_path = Path(config.actor_rollout_ref.model.path)
     if model_path == workdir / "model":
-        check_prepared(workdir)
+        manifest = check_prepared(workdir)
+        longest = manifest["spec"]["max_response_length"]
+        if config.data.max_response_length < longest:
+            raise EmbeddedConfigError(
+                f"data.max_response_length={config.data.max_response_length} is shorter than the "
+                f"{manifest.get('task', 'addition')!r} "
+                f"task's responses in {workdir} (up to {longest} tokens): use +embedded=long_cot for the chain "
+                "task, or raise data.max_response_length"
+            )
     schedule = schedule_of(config)
     rollout, trainer, actor = config.actor_rollout_ref.rollout, config.trainer, config.actor_rollout_ref.actor
     batch, mini = config.data.train_batch_size, actor.ppo_mini_batch_size
