@@ -127,7 +127,7 @@ class TrustRegion:
     Attributes:
         lower, upper: endpoints ``lo = 1 - eps_lo * c_minus``, ``hi = 1 + eps_hi * c_plus`` per unit (loss dtype);
             verl's scalars ``1 -+ eps`` bit for bit where nothing is contracted.
-        gate: 1.0 on gated units (active, ``q > floor`` and ``a > q``), else 0.0 (stat dtype).
+        gate: bool per unit, True on gated units (active, ``q > floor`` and ``a > q``, and a side other than 0).
         shrink: signed contraction per unit (stat dtype): ``1 - kappa`` with the sign of ``d`` on gated units (> 0
             contracts the upper endpoint, ``c_plus = 1 - shrink``; < 0 the lower, ``c_minus = 1 + shrink``), else 0.
         abs_proxy: ``a = |d|`` per unit (stat dtype), 0 at inactive units.
@@ -153,7 +153,7 @@ class TrustRegion:
     @property
     def gated(self) -> torch.Tensor:
         """bool per unit, the gated units."""
-        return self.gate > 0
+        return self.gate
 
     @property
     def kappa(self) -> torch.Tensor:
@@ -383,8 +383,9 @@ def trust_region(
         weight: optional int64 tokens per unit (length-weighted quantile), 0 at inactive units; default 1 per active
             unit.
         num_units: the active units (``unit_mask`` count, or the weight sum), when the caller has it already.
-        side: optional -1 / 0 / +1 per unit (``proxy``'s shape): the endpoint a gated unit contracts, instead of the
-            sign of its own ``d``; a unit of side 0 is not gated (nothing has drifted for the clip to act on).
+        side: optional -1 / 0 / +1 per unit (``proxy``'s shape, or broadcast to it: ``[B, 1]`` for a side per
+            sequence): the endpoint a gated unit contracts, instead of the sign of its own ``d``; a unit of side 0 is
+            not gated (nothing has drifted for the clip to act on).
         carried: optional ``(a, weight)``, ``[K]`` detached ``|d|`` (stat dtype) and int64 weights of units scored
             before (0 and 0 in empty slots), pooled with this call's units into the quantile only (needs ``weight``);
             ``num_units`` and the statistics stay this call's.
@@ -405,19 +406,19 @@ def trust_region(
         a.new_zeros(())  # fmt: skip
     # 1.0 where a > threshold (a - threshold has sign +1), 0.0 elsewhere: inactive units have a = 0 <= q
     threshold = q.masked_fill(q <= gate.floor, math.inf)
-    gated = torch.sub(a, threshold).sign_().clamp_(min=0.0)
-    direction = d.sign() if side is None else side.to(d.dtype)
+    gated = torch.gt(a, threshold)
     if side is not None:
-        gated.mul_(direction.abs())
-    deficit = contraction_deficit(a, q, gate).mul_(gated)  # 1 - kappa on gated units, else 0
+        gated.logical_and_(side != 0)  # broadcast: a [B, 1] side costs nothing per token
+    direction = d.sign() if side is None else side.to(d.dtype)
+    deficit = torch.where(gated, contraction_deficit(a, q, gate), 0.0)  # 1 - kappa on gated units, else 0
     max_shrink = deficit.amax() if a.numel() else a.new_zeros(())
     shrink = deficit.mul_(direction)
     lower_part, upper_part = torch.clamp(shrink, max=0.0), torch.clamp(shrink, min=0.0)  # -(1 - c_minus), 1 - c_plus
 
-    parts = (gated, a, lower_part, upper_part)
     if weight is None:
-        sums = [part.sum() for part in parts]
+        sums = [torch.count_nonzero(gated).to(a.dtype), a.sum(), lower_part.sum(), upper_part.sum()]
     else:  # per-sequence units: one weighted reduction (no matmul: cuBLAS is not deterministic by default)
+        parts = (gated.to(a.dtype), a, lower_part, upper_part)
         sums = torch.stack(parts).reshape(len(parts), -1).mul_(weight.reshape(-1)).sum(-1).unbind()
     stats = RegionStats(
         gated=sums[0],
@@ -590,7 +591,7 @@ def sat_gspo_surrogate(
 
     token_proxy = _stat_proxy(inputs, log_prob, old_log_prob)
     if granularity in ("token", "token_ratio_side"):
-        side = None if granularity == "token" else torch.where(mask, seq_log_ratio.sign().unsqueeze(-1), 0.0)
+        side = None if granularity == "token" else seq_log_ratio.sign().unsqueeze(-1)  # [B, 1], broadcast
         region = trust_region(token_proxy, mask, clip_low, clip_high, gate, log_prob.dtype,
                               num_units=inputs.num_active, side=side)  # fmt: skip
     else:
@@ -620,9 +621,9 @@ def sat_gspo_surrogate(
     loss_mat = torch.maximum(loss_unclipped, loss_clipped)
 
     clipped = torch.gt(loss_clipped, loss_unclipped).logical_and_(mask)
-    # the ratio's value is exp(min(s_i, 10)) at every token of sequence i: the band test runs per sequence
-    band_ratio = rho.detach() if granularity.startswith("token") else \
-        torch.exp(seq_log_ratio.clamp(max=GSPO_LOG_RATIO_MAX))  # fmt: skip
+    # the ratio's value is exp(min(s_i, 10)) at every token of sequence i (lp - sg(lp) is exactly 0): the band test
+    # runs per sequence, at every granularity
+    band_ratio = torch.exp(seq_log_ratio.clamp(max=GSPO_LOG_RATIO_MAX)).unsqueeze(-1)
     return SatSurrogate(
         loss_mat=loss_mat,
         mask=mask,
@@ -630,7 +631,7 @@ def sat_gspo_surrogate(
         num_nan=inputs.num_nan,
         log_ratio=inputs.diff.detach(),
         clipped=clipped,
-        intercepted=_intercepted_tokens(band_ratio.reshape(len(band_ratio), -1), clipped, clip_low, clip_high),
+        intercepted=_intercepted_tokens(band_ratio, clipped, clip_low, clip_high),
         dual_clipped=None,
         region=region,
         num_sequences=torch.count_nonzero(lengths),
