@@ -128,8 +128,9 @@ class TrustRegion:
         lower, upper: endpoints ``lo = 1 - eps_lo * c_minus``, ``hi = 1 + eps_hi * c_plus`` per unit (loss dtype);
             verl's scalars ``1 -+ eps`` bit for bit where nothing is contracted.
         gate: bool per unit, True on gated units (active, ``q > floor`` and ``a > q``, and a side other than 0).
-        shrink: signed contraction per unit (stat dtype): ``1 - kappa`` with the sign of ``d`` on gated units (> 0
-            contracts the upper endpoint, ``c_plus = 1 - shrink``; < 0 the lower, ``c_minus = 1 + shrink``), else 0.
+        deficit: ``1 - kappa`` per unit on gated units, else 0 (stat dtype).
+        direction: the side each unit contracts, -1 / 0 / +1 (stat dtype): the sign of ``d``, or the ``side`` given
+            (``[B, 1]`` for a side per sequence, broadcast over its tokens).
         abs_proxy: ``a = |d|`` per unit (stat dtype), 0 at inactive units.
         unit_mask: bool per unit, active.
         weight: int64 tokens each unit stands for in the quantile (``sequence``: a sequence's length, 0 when
@@ -142,7 +143,8 @@ class TrustRegion:
     lower: torch.Tensor
     upper: torch.Tensor
     gate: torch.Tensor
-    shrink: torch.Tensor
+    deficit: torch.Tensor
+    direction: torch.Tensor
     abs_proxy: torch.Tensor
     unit_mask: torch.Tensor
     weight: torch.Tensor | None
@@ -156,9 +158,15 @@ class TrustRegion:
         return self.gate
 
     @property
+    def shrink(self) -> torch.Tensor:
+        """Signed contraction per unit: ``1 - kappa`` with the sign of the side on gated units (> 0 contracts the
+        upper endpoint, ``c_plus = 1 - shrink``; < 0 the lower, ``c_minus = 1 + shrink``), else 0."""
+        return self.deficit * self.direction
+
+    @property
     def kappa(self) -> torch.Tensor:
         """The contraction factor per unit (Eq. 16) where gated, 1 elsewhere."""
-        return 1.0 - self.shrink.abs()
+        return 1.0 - self.deficit
 
 
 @dataclass(frozen=True)
@@ -412,31 +420,41 @@ def trust_region(
     direction = d.sign() if side is None else side.to(d.dtype)
     deficit = torch.where(gated, contraction_deficit(a, q, gate), 0.0)  # 1 - kappa on gated units, else 0
     max_shrink = deficit.amax() if a.numel() else a.new_zeros(())
-    shrink = deficit.mul_(direction)
-    lower_part, upper_part = torch.clamp(shrink, max=0.0), torch.clamp(shrink, min=0.0)  # -(1 - c_minus), 1 - c_plus
+    # lo = (1 - eps_lo) + eps_lo * (1 - c_minus), hi = (1 + eps_hi) - eps_hi * (1 - c_plus); adding +-0 to verl's
+    # scalar leaves it bit for bit where nothing is contracted
+    if direction.shape == deficit.shape:  # a side per unit: split the signed contraction
+        shrink = deficit * direction
+        lower_part, upper_part = torch.clamp(shrink, max=0.0), torch.clamp(shrink, min=0.0)  # -(1 - c_-), 1 - c_+
+        lower_sum, upper_sum = -lower_part.sum(), upper_part.sum()
+        lower = lower_part.mul_(-clip_low).to(loss_dtype).add_(1.0 - clip_low)
+        upper = upper_part.mul_(-clip_high).to(loss_dtype).add_(1.0 + clip_high)
+    else:  # one side per sequence ([B, 1], broadcast): each sequence contracts one endpoint, no per-token split
+        down, up = torch.lt(direction, 0.0).to(a.dtype), torch.gt(direction, 0.0).to(a.dtype)
+        row = deficit.sum(dim=-1, keepdim=True)
+        lower_sum, upper_sum = row.mul(down).sum(), row.mul(up).sum()
+        lower = deficit.mul(down * clip_low).to(loss_dtype).add_(1.0 - clip_low)
+        upper = deficit.mul(up * -clip_high).to(loss_dtype).add_(1.0 + clip_high)
 
     if weight is None:
-        sums = [torch.count_nonzero(gated).to(a.dtype), a.sum(), lower_part.sum(), upper_part.sum()]
+        sums = [torch.count_nonzero(gated).to(a.dtype), a.sum()]
     else:  # per-sequence units: one weighted reduction (no matmul: cuBLAS is not deterministic by default)
         parts = (gated.to(a.dtype), a, lower_part, upper_part)
         sums = torch.stack(parts).reshape(len(parts), -1).mul_(weight.reshape(-1)).sum(-1).unbind()
+        lower_sum, upper_sum = -sums[2], sums[3]
     stats = RegionStats(
         gated=sums[0],
         abs_proxy=sums[1],
-        lower_shrink=-sums[2],
-        upper_shrink=sums[3],
+        lower_shrink=lower_sum,
+        upper_shrink=upper_sum,
         max_shrink=max_shrink,
         structurally_empty=empty,
     )
-    # lo = (1 - eps_lo) + eps_lo * (1 - c_minus), hi = (1 + eps_hi) - eps_hi * (1 - c_plus); adding +-0 to verl's
-    # scalar leaves it bit for bit where nothing is contracted
-    lower = lower_part.mul_(-clip_low).to(loss_dtype).add_(1.0 - clip_low)
-    upper = upper_part.mul_(-clip_high).to(loss_dtype).add_(1.0 + clip_high)
     return TrustRegion(
         lower=lower,
         upper=upper,
         gate=gated,
-        shrink=shrink,
+        deficit=deficit,
+        direction=direction,
         abs_proxy=a,
         unit_mask=unit_mask,
         weight=weight,
