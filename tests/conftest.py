@@ -68,11 +68,11 @@ QUANTILE_METHODS = ["inverted_cdf", "linear"]
 def _no_carried_scores():
     """Every test starts with ``granularity=sequence_carried``'s process-wide ring empty (it is ``sequence`` until a
     call adds to it), and leaves it empty."""
-    from verl_sat import losses
+    from verl_sat.sat_math import CARRIED
 
-    losses.CARRIED.clear()
+    CARRIED.clear()
     yield
-    losses.CARRIED.clear()
+    CARRIED.clear()
 
 
 # every loss_agg_mode verl 0.9.1's ActorConfig accepts (its valid_loss_agg_modes)

@@ -390,18 +390,24 @@ def test_every_table1_row_trains(tiny_workdir, recipe):
 
 def test_token_row_gates_where_the_papers_sequence_scores_cannot(tiny_workdir):
     """Two sequences per micro-batch (``ppo_micro_batch_size_per_gpu=2``): the paper's SAT-GSPO row is structurally
-    empty in every micro-batch and trains exactly as GSPO, while the per-token row gates."""
+    empty in every micro-batch and trains exactly as GSPO, while the per-token rows gate, and the carried quantile
+    gates once its ring holds enough sequences (and the attribution's gate is the loss's)."""
     micro = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"
     runs = {recipe: run(tiny_workdir, f"+recipe={recipe}", *PAPER_LAG[1], micro,
                         f"trainer.experiment_name=micro2-{recipe}", steps=2)[1:]
-            for recipe in ("gspo", "sat_gspo", "sat_gspo_token")}  # fmt: skip
-    (_, paper), (_, token) = runs["sat_gspo"], runs["sat_gspo_token"]
-    for records in (paper, token):
+            for recipe in ("gspo", "sat_gspo", "sat_gspo_token", "sat_gspo_ratio_side",
+                           "sat_gspo_carried")}  # fmt: skip
+    paper = runs["sat_gspo"][1]
+    for _, records in runs.values():
         assert all(r["actor/sat_seqs_per_micro_batch"] == 2.0 for r in records if "actor/sat_gate_rate" in r)
     assert all(r["actor/sat_structurally_empty_frac"] == 1.0 and r["actor/sat_gate_rate"] == 0.0
                for r in paper if "actor/sat_gate_rate" in r)  # fmt: skip
-    assert all(r["actor/sat_structurally_empty_frac"] == 0.0 for r in token if "actor/sat_gate_rate" in r)
-    assert any(r["actor/sat_gate_rate"] > 0 for r in token if "actor/sat_gate_rate" in r)
+    for recipe in ("sat_gspo_token", "sat_gspo_ratio_side"):
+        token = runs[recipe][1]
+        assert all(r["actor/sat_structurally_empty_frac"] == 0.0 for r in token if "actor/sat_gate_rate" in r)
+        assert any(r["actor/sat_gate_rate"] > 0 for r in token if "actor/sat_gate_rate" in r)
+    carried = [r for r in runs["sat_gspo_carried"][1] if "actor/sat_gate_rate" in r]
+    assert carried[-1]["actor/sat_structurally_empty_frac"] == 0.0 and carried[-1]["actor/sat_gate_rate"] > 0
     gspo_summary, sat_summary = runs["gspo"][0], runs["sat_gspo"][0]
     assert sat_summary["last_epoch_mismatch"] == pytest.approx(gspo_summary["last_epoch_mismatch"], rel=1e-5)
 

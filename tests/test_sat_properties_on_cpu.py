@@ -32,8 +32,7 @@ from conftest import (
 )
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-from verl_sat import losses
-from verl_sat.sat_math import CarriedScores, sat_gspo_surrogate, sat_token_surrogate
+from verl_sat.sat_math import CARRIED, CarriedScores, sat_gspo_surrogate, sat_token_surrogate
 
 EPS_LO, EPS_HI = 0.2, 0.28
 QUANTILE = 0.5  # a low quantile so that every case has gated tokens on both sides of 1
@@ -361,7 +360,7 @@ def test_gate_rate_bound(loss, granularity, _, method, alpha, kind, sat_actor_co
     object.__setattr__(sat_actor_config.policy_loss, "sat", gate_config(loss, granularity, quantile=alpha,
                                                                         quantile_method=method))  # fmt: skip
     for agg in AGG_MODES:
-        losses.CARRIED.clear()
+        CARRIED.clear()
         _, metrics = get_policy_loss_fn(loss)(
             batch.old_log_prob, batch.log_prob, batch.advantages, batch.response_mask, agg, sat_actor_config
         )

@@ -24,8 +24,8 @@ import torch
 from conftest import AGG_MODES, QUANTILE_METHODS, gate_config
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-from verl_sat import inert_sat, losses
-from verl_sat.sat_math import CarriedScores, sat_gspo_surrogate, sat_token_surrogate, tail_quantile
+from verl_sat import inert_sat
+from verl_sat.sat_math import CARRIED, CarriedScores, sat_gspo_surrogate, sat_token_surrogate, tail_quantile
 
 GRANULARITIES = ["sequence", "sequence_uniform", "token", "token_ratio_side"]
 
@@ -116,7 +116,7 @@ def test_sequence_carried_acts_through_verls_loss_at_one_sequence_per_micro_batc
     intercepts."""
     config = {g: _actor_config("sat_gspo", g) for g in ("sequence", "sequence_carried")}
     loss = get_policy_loss_fn("sat_gspo")
-    losses.CARRIED.clear()
+    CARRIED.clear()
     try:
         totals = {g: [0.0, 0.0, 0.0] for g in config}  # structurally empty, gated, intercepted
         for call in range(30):
@@ -134,7 +134,7 @@ def test_sequence_carried_acts_through_verls_loss_at_one_sequence_per_micro_batc
         assert totals["sequence_carried"][0] == 9.0  # equal lengths: until 10 sequences are pooled (alpha 0.9)
         assert totals["sequence_carried"][1] >= 3.0 and totals["sequence_carried"][2] >= 3.0
     finally:
-        losses.CARRIED.clear()
+        CARRIED.clear()
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)

@@ -27,13 +27,11 @@ from verl.workers.config import ActorConfig
 
 from verl_sat.config import SAT_KEY_FORMAT, sat_params_of
 from verl_sat.inert_sat import INERT_MONITOR, radius_check
-from verl_sat.sat_math import CarriedScores, SatSurrogate, sat_gspo_surrogate, sat_token_surrogate
+from verl_sat.sat_math import CARRIED, SatSurrogate, sat_gspo_surrogate, sat_token_surrogate
 from verl_sat.verl_own_losses import keep_verl_own, verl_own
 
 # where verl already registers sat / sat_gspo (the core pull request), its own stay registered (bottom of this module)
 _VERL_OWN = verl_own()
-# granularity=sequence_carried: the sequence scores this process's sat_gspo calls saw last, for the next quantile
-CARRIED = CarriedScores()
 
 
 @register_policy_loss("sat")  # type: ignore[arg-type]
@@ -146,8 +144,7 @@ def _sat_aggregate(
         region.num_units,
         num_active,
         out.num_nan,
-        torch.count_nonzero(out.intercepted),
-        torch.count_nonzero(out.clipped),
+        *out.clip_counts(),
         torch.zeros_like(num_active) if out.dual_clipped is None else torch.count_nonzero(out.dual_clipped),
     ]
     read = torch.stack(values).tolist()  # the one host read

@@ -182,7 +182,8 @@ class SatSurrogate:
         log_ratio: ``[B, T]`` detached ``lp - lp_old`` from which verl's counterpart computes ``ppo_kl`` (clamped at
             +-20 for the token rule, raw for GSPO); 0 at inactive tokens.
         clipped: ``[B, T]`` bool, active tokens whose clip term is active (``L2 > L1``), verl's ``pg_clipfrac``.
-        intercepted: ``[B, T]`` bool, active tokens clipped by SAT but not by the nominal interval.
+        in_band: bool, ``[B, T]`` or ``[B, 1]`` (a ratio per sequence): the (detached) ratio lies inside verl's
+            nominal interval ``[1 - eps_lo, 1 + eps_hi]``; ``intercepted`` = ``clipped & in_band``.
         dual_clipped: ``[B, T]`` bool, active tokens whose dual clip is active (token rule), ``None`` for GSPO.
         region: the trust region, per token or per sequence.
     """
@@ -193,10 +194,25 @@ class SatSurrogate:
     num_nan: torch.Tensor
     log_ratio: torch.Tensor
     clipped: torch.Tensor
-    intercepted: torch.Tensor
+    in_band: torch.Tensor
     dual_clipped: torch.Tensor | None
     region: TrustRegion
     num_sequences: torch.Tensor
+
+    @property
+    def intercepted(self) -> torch.Tensor:
+        """``[B, T]`` bool, active tokens clipped by SAT but not by the nominal interval. SAT's interval lies inside
+        the nominal one on the side a clip acts, so these are the clipped tokens whose ratio lies in the nominal
+        interval; only gated units can have one."""
+        return self.clipped & self.in_band
+
+    def clip_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """0-dim int64 counts of the intercepted and the clipped tokens; with a band test per sequence from the
+        clipped tokens' row sums (one pass over ``[B, T]``)."""
+        if self.in_band.shape == self.clipped.shape:
+            return torch.count_nonzero(self.intercepted), torch.count_nonzero(self.clipped)
+        rows = self.clipped.sum(dim=-1, keepdim=True)
+        return rows.mul(self.in_band).sum(), rows.sum()
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -515,12 +531,10 @@ def _stat_proxy(inputs: _CleanInputs, log_prob, old_log_prob, log_ratio: torch.T
     return _clamp_log_ratio(diff)
 
 
-def _intercepted_tokens(ratio: torch.Tensor, clipped: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
-    """Of the ``clipped`` tokens (clipped by SAT), those verl's nominal interval would not clip. SAT's interval lies
-    inside the nominal one on the side a clip acts, so these are exactly the clipped tokens whose (detached) ratio lies
-    inside ``[1 - eps_lo, 1 + eps_hi]``; only gated units can have one. ``ratio``: ``[B, T]``, or ``[B, 1]`` when it
-    is the same at every token of a sequence."""
-    return clipped & torch.eq(torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high), ratio)
+def _in_band(ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
+    """``ratio`` (detached; ``[B, T]``, or ``[B, 1]`` when it is the same at every token of a sequence) inside
+    verl's nominal interval ``[1 - eps_lo, 1 + eps_hi]``."""
+    return torch.eq(torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high), ratio)
 
 
 def sat_token_surrogate(
@@ -563,7 +577,7 @@ def sat_token_surrogate(
         num_nan=inputs.num_nan,
         log_ratio=log_ratio.detach(),
         clipped=clipped,
-        intercepted=_intercepted_tokens(ratio.detach(), clipped, clip_low, clip_high),
+        in_band=_in_band(ratio.detach(), clip_low, clip_high),
         dual_clipped=torch.gt(loss_ppo, loss_dual).logical_and_(negative).logical_and_(mask),
         region=region,
         num_sequences=torch.count_nonzero(mask.any(dim=-1)),
@@ -649,7 +663,7 @@ def sat_gspo_surrogate(
         num_nan=inputs.num_nan,
         log_ratio=inputs.diff.detach(),
         clipped=clipped,
-        intercepted=_intercepted_tokens(band_ratio, clipped, clip_low, clip_high),
+        in_band=_in_band(band_ratio, clip_low, clip_high),
         dual_clipped=None,
         region=region,
         num_sequences=torch.count_nonzero(lengths),
@@ -681,3 +695,7 @@ class CarriedScores:
 
     def clear(self) -> None:
         self._scores = self._lengths = None
+
+
+# granularity=sequence_carried: the sequence scores this process's sat_gspo calls saw last, for the next quantile
+CARRIED = CarriedScores()

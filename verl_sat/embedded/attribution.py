@@ -28,14 +28,23 @@ PREFIX = "staleness/"
 
 
 def sat_gate(
-    loss_mode: str, sat: SatConfig | None, log_prob, old_log_prob, advantages, mask, clip_low: float, clip_high: float
+    loss_mode: str,
+    sat: SatConfig | None,
+    log_prob,
+    old_log_prob,
+    advantages,
+    mask,
+    clip_low: float,
+    clip_high: float,
+    carried: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``[B, T]`` bool, the tokens SAT gates on these inputs: the run's own SAT loss, or for any other loss the
-    token-level rule with the paper's defaults (what SAT would gate)."""
+    token-level rule with the paper's defaults (what SAT would gate). ``carried``: the carried sequences the loss
+    pooled (``granularity=sequence_carried``)."""
     with torch.no_grad():
         if loss_mode == "sat_gspo":
             out = sat_gspo_surrogate(log_prob, old_log_prob, advantages, mask, clip_low, clip_high, sat,
-                                     sat.granularity)  # fmt: skip
+                                     sat.granularity, carried)  # fmt: skip
         else:
             gate = sat if loss_mode == "sat" and sat is not None else SatConfig()
             out = sat_token_surrogate(log_prob, old_log_prob, advantages, mask, clip_low, clip_high, 3.0, gate)

@@ -49,6 +49,7 @@ from verl_sat.embedded.rollout import RolloutBatch
 from verl_sat.embedded.run_files import MISMATCH
 from verl_sat.mismatch import abs_log_ratio_sum
 from verl_sat.routing_replay import RoutingReplay
+from verl_sat.sat_math import CARRIED
 
 
 @dataclass
@@ -229,6 +230,9 @@ def train_step(
                         fields["ref_log_prob"] = ref_log_prob[rows]
                     if is_weights is not None:
                         fields["rollout_is_weights"] = is_weights[rows]
+                    # the carried sequences this call's sequence_carried quantile pools (the loss adds its own)
+                    carried = CARRIED.pooled(log_prob) if sat is not None and sat.granularity == "sequence_carried" \
+                        else None  # fmt: skip
                     loss, metrics = micro_batch_loss(actor, log_prob, entropy, fields, info, batch.prompt_len)
                     loss.backward()
                     for key, value in metrics.items():
@@ -240,7 +244,7 @@ def train_step(
                         active = mask[rows]
                         detached = log_prob.detach().cpu()
                         gated = sat_gate(loss_mode, sat, detached, old_log_prob[rows], adv[rows], active, clip_low,
-                                         clip_high)  # fmt: skip
+                                         clip_high, carried)  # fmt: skip
                         split.add(detached, trainer_at_version[rows], rollout[rows], active, gated)
                         mismatch = mismatch + abs_log_ratio_sum(detached, rollout[rows], active)
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), actor.optim.clip_grad)
