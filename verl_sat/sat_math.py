@@ -569,7 +569,8 @@ def sat_token_surrogate(
     negative = advantages < 0
     loss_mat = torch.where(negative, torch.minimum(loss_dual, loss_ppo), loss_ppo)
 
-    clipped = torch.gt(loss_clipped, loss_unclipped).logical_and_(mask)
+    # inactive tokens have a multiplier of +0 and a finite ratio: both losses are 0 there, never clipped
+    clipped = torch.gt(loss_clipped, loss_unclipped)
     return SatSurrogate(
         loss_mat=loss_mat,
         mask=mask,
@@ -652,7 +653,8 @@ def sat_gspo_surrogate(
     loss_clipped = multiplier * torch.clamp(rho, region.lower, region.upper)
     loss_mat = torch.maximum(loss_unclipped, loss_clipped)
 
-    clipped = torch.gt(loss_clipped, loss_unclipped).logical_and_(mask)
+    # inactive tokens have a multiplier of +0 and a finite ratio: both losses are 0 there, never clipped
+    clipped = torch.gt(loss_clipped, loss_unclipped)
     # the ratio's value is exp(min(s_i, 10)) at every token of sequence i (lp - sg(lp) is exactly 0): the band test
     # runs per sequence, at every granularity
     band_ratio = torch.exp(seq_log_ratio.clamp(max=GSPO_LOG_RATIO_MAX)).unsqueeze(-1)

@@ -49,7 +49,8 @@ from verl_sat.recipe_catalog import PAPER_TABLE_1
 
 # SAT recipe -> the recipe it changes only by its loss
 SAT_BASE = {"sat_grpo": "grpo", "sat_gspo": "gspo", "sat_grpo_r3": "grpo_r3", "sat_gspo_r3": "gspo_r3",
-            "sat_gspo_token": "gspo", "sat_gspo_token_r3": "gspo_r3"}  # fmt: skip
+            "sat_gspo_token": "gspo", "sat_gspo_token_r3": "gspo_r3", "sat_gspo_ratio_side": "gspo",
+            "sat_gspo_carried": "gspo"}  # fmt: skip
 # overrides of these keys (SAT's knobs) change a SAT row only; its base row is the one without them
 SAT_KEY_PREFIX = "actor_rollout_ref.actor.policy_loss.sat."
 MICRO_BATCH_KEY = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
