@@ -38,6 +38,7 @@ from verl_sat.embedded import frontier, remedy_view, run_files
 from verl_sat.embedded.cell_stats import (
     aggregate,
     groups,
+    holm,
     lag_label,
     mean_or_none,
     num,
@@ -135,15 +136,19 @@ def results_markdown(rows: list[dict], pairs: list[dict], commands: list[str], f
         lines.append("")
     if pairs:
         lines += ["## SAT against its base recipe, paired by seed", "",
-                  "Difference SAT - base in accuracy points, mean over the seeds both ran; p: two-sided paired t-test; "
+                  "Difference SAT - base in accuracy points, mean over the seeds both ran; p: two-sided paired t-test, "
+                  "then Holm-adjusted over every test of this table (best and last of each row) in parentheses; "
                   "wins/losses: seeds where SAT is above/below.", "",
-                  "| SAT recipe | base | lag | settings | seeds | Δ best | p | wins/losses | Δ last | p | q/ε |",
+                  "| SAT recipe | base | lag | settings | seeds | Δ best | p (Holm) | wins/losses | Δ last | p (Holm) "
+                  "| q/ε |",
                   "|---" * 11 + "|"]  # fmt: skip
+        adjusted = holm([e["p_value"] for e in pairs] + [e["last_p_value"] for e in pairs])
+        best_holm, last_holm = adjusted[: len(pairs)], adjusted[len(pairs) :]
         lines += [f"| {e['recipe']} | {e['base']} | {e['lag_label']} | {' '.join(e['settings']) or '-'} | "
-                  f"{len(e['seeds'])} | {100 * e['mean_diff']:+.1f} | {p_text(e['p_value'])} | "
-                  f"{e['wins']}/{e['losses']} | "
-                  f"{100 * e['last_mean_diff']:+.1f} | {p_text(e['last_p_value'])} | {num(e['q_over_radius'], 3)} |"
-                  for e in pairs]  # fmt: skip
+                  f"{len(e['seeds'])} | {100 * e['mean_diff']:+.1f} | {p_text(e['p_value'])} ({p_text(b)}) | "
+                  f"{e['wins']}/{e['losses']} | {100 * e['last_mean_diff']:+.1f} | {p_text(e['last_p_value'])} "
+                  f"({p_text(h)}) | {num(e['q_over_radius'], 3)} |"
+                  for e, b, h in zip(pairs, best_holm, last_holm, strict=True)]  # fmt: skip
         lines.append("")
     lines += micro_batch_markdown(rows, pairs)
     lines += remedy_view.remedy_markdown(remedies)
