@@ -412,6 +412,12 @@ def test_entry_point_prints_the_micro_batch_warning():
         (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=34816",
           "data.max_prompt_length=2048", "data.max_response_length=32768",
           "actor_rollout_ref.actor.policy_loss.sat.granularity=token"], None),
+        # the carried quantile pools the last 256 sequences: one per micro-batch is enough
+        (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=34816",
+          "data.max_prompt_length=2048", "data.max_response_length=32768",
+          "actor_rollout_ref.actor.policy_loss.sat.granularity=sequence_carried"], None),
+        (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+          "actor_rollout_ref.actor.policy_loss.sat.granularity=sequence_carried"], None),
     ],
 )  # fmt: skip
 def test_preflight_warns_when_the_micro_batch_cannot_gate(overrides, warned):

@@ -238,15 +238,16 @@ def micro_batch_warnings(actor: DictConfig, policy_loss, data: DictConfig | None
     quantile only at ``m = 1``. Under verl's dynamic batching a micro-batch holds ``ppo_max_token_len_per_gpu`` times
     the sequence-parallel size tokens (verl's ``prepare_micro_batches``): once responses reach
     ``data.max_response_length`` that is ``floor(tokens / (max_prompt_length + max_response_length))`` sequences, the
-    long-CoT case. Per-token scores (``granularity=token`` or ``token_ratio_side``) are not affected. The SAT keys are
+    long-CoT case. Per-token scores (``granularity=token`` or ``token_ratio_side``) and the carried quantile
+    (``sequence_carried``) are not affected. The SAT keys are
     read and named as the loss reads them (``verl_sat.config.sat_params_of``, ``SAT_KEY_FORMAT``)."""
     if policy_loss.loss_mode != "sat_gspo":
         return []
     from verl_sat.config import SAT_KEY_FORMAT, sat_params_of
 
     sat = sat_params_of(policy_loss, policy_loss.loss_mode)
-    if sat.granularity.startswith("token"):
-        return []
+    if sat.granularity.startswith("token") or sat.granularity == "sequence_carried":
+        return []  # per-token scores, or a quantile over carried sequences: not bound to one micro-batch's sequences
     if sat.granularity == "sequence_uniform" and sat.quantile_method == "linear":
         needed = 2  # the interpolated quantile lies below the top sequence from two on
     else:
