@@ -428,7 +428,7 @@ def test_preflight_warns_when_the_micro_batch_cannot_gate(overrides, warned):
         assert warnings == []
     else:
         assert len(warnings) == 1 and warned in warnings[0]
-        assert "actor_rollout_ref.actor.policy_loss.sat.granularity=token" in warnings[0]
+        assert "actor_rollout_ref.actor.policy_loss.sat.granularity=sequence_carried" in warnings[0]
     token_rule = compose_recipe("sat_grpo", "lag1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1")
     assert check_config(token_rule) == []  # the token-level rule has many tokens in one sequence
 
@@ -516,7 +516,7 @@ def test_recipes_command_lists_every_row_with_the_papers_numbers():
     assert (
         set(variants)
         == set(SAT_VARIANT_ROWS)
-        == {"sat_gspo_token", "sat_gspo_token_r3", "sat_gspo_ratio_side", "sat_gspo_carried"}
+        == {"sat_gspo_token", "sat_gspo_token_r3", "sat_gspo_ratio_side", "sat_gspo_carried", "sat_gspo_carried_r3"}
     )
     assert set(lags[1]) == set(LAGS) and set(r3[1]) == {"fsdp", "megatron"} and set(radii[1]) == {"gspo"}
     assert set(cpu[1]) == {"e2e"}
@@ -730,24 +730,31 @@ def _composed_on(trainer: str, recipe: str):
                                recipe=recipe)[1]  # fmt: skip
 
 
-@pytest.mark.parametrize("recipe,trainer", [("sat_gspo_token_r3", "fully_async"), ("sat_gspo_token", "colocate_async"),
-                                            ("sat_gspo_token", "separate_async")])  # fmt: skip
-def test_token_row_is_the_sat_gspo_row_with_per_token_scores_on_every_trainer(recipe, trainer):
+VARIANT_GRANULARITY = {"_carried": "sequence_carried", "_ratio_side": "token_ratio_side", "_token": "token"}
+
+
+@pytest.mark.parametrize("recipe,trainer", [("sat_gspo_carried_r3", "fully_async"),
+                                            ("sat_gspo_carried", "colocate_async"),
+                                            ("sat_gspo_carried", "separate_async"),
+                                            ("sat_gspo_token_r3", "fully_async"),
+                                            ("sat_gspo_ratio_side", "separate_async")])  # fmt: skip
+def test_variant_row_is_the_sat_gspo_row_with_its_granularity_on_every_trainer(recipe, trainer):
     """On each asynchronous trainer, a SAT variant row composes to the paper's SAT-GSPO row with only the score unit
     changed (the R3 row on one: it adds only the R3 piece to the other), builds verl's dataclasses, and keeps the
     preflight quiet at one sequence per micro-batch, where the paper's row is warned about."""
-    paper_row = recipe.replace("_token", "")
+    suffix = next(s for s in VARIANT_GRANULARITY if s in recipe)
+    paper_row, granularity = recipe.replace(suffix, ""), VARIANT_GRANULARITY[suffix]
     cfg, base = _composed_on(trainer, recipe), _composed_on(trainer, paper_row)
     expected = _job(base)
-    expected["actor_rollout_ref"]["actor"]["policy_loss"]["sat"]["granularity"] = "token"
+    expected["actor_rollout_ref"]["actor"]["policy_loss"]["sat"]["granularity"] = granularity
     assert _job(cfg) == expected
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    assert actor.policy_loss.loss_mode == "sat_gspo" and actor.policy_loss.sat.granularity == "token"
+    assert actor.policy_loss.loss_mode == "sat_gspo" and actor.policy_loss.sat.granularity == granularity
     one = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"
     token_warnings = check_config(compose_for_trainer(trainer, "lag8", one, recipe=recipe)[1])
     *others, warning = check_config(compose_for_trainer(trainer, "lag8", one, recipe=paper_row)[1])
     assert others == token_warnings  # the trainer's own warnings (the lag's), nothing about the micro-batch
-    assert "SAT-GSPO is exactly GSPO" in warning and "policy_loss.sat.granularity=token" in warning
+    assert "SAT-GSPO is exactly GSPO" in warning and "policy_loss.sat.granularity=sequence_carried" in warning
 
 
 @pytest.mark.parametrize("trainer", list(TRAINER_ARGS))

@@ -237,7 +237,7 @@ def test_the_warning_names_the_keys_after_several_inert_optimizer_steps(caplog):
     assert "SAT could not act in 11 of the last 12 micro-batches (8.0 sequences per micro-batch)" in message
     assert "its gate was structurally empty" in message and "could not gate" not in message
     assert "1 - actor_rollout_ref.actor.policy_loss.sat.quantile = 0.1 of the micro-batch's units" in message
-    for key in ("actor_rollout_ref.actor.policy_loss.sat.granularity=token",
+    for key in ("actor_rollout_ref.actor.policy_loss.sat.granularity=sequence_carried",
                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
                 "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.actor.use_dynamic_bsz=true",
                 "actor/sat_structurally_empty_frac"):  # fmt: skip

@@ -97,8 +97,8 @@ def inert_message(empty: float, calls: int, sequences: float, quantile: float, k
         f"micro-batch): its gate was structurally empty, since the highest-scoring unit held more than "
         f"1 - {key_format.format('quantile')} = {1 - quantile:.3g} of the micro-batch's units, so none lay above the "
         f"quantile and the loss ran as its base loss (actor/sat_structurally_empty_frac). For loss_mode=sat_gspo set "
-        f"{key_format.format('granularity')}=token (per-token scores: their gate is not structurally empty in a "
-        f"micro-batch of about 1 / (1 - quantile) tokens or more; whether SAT then acts shows in "
+        f"{key_format.format('granularity')}=sequence_carried (the quantile over this micro-batch's and the last 256 "
+        f"sequences' scores: it acts at one sequence per micro-batch; whether SAT then acts shows in "
         f"actor/sat_intercepted_frac), or put more sequences in a micro-batch: {ACTOR}.ppo_micro_batch_size_per_gpu, "
         f"or {ACTOR}.ppo_max_token_len_per_gpu under {ACTOR}.use_dynamic_bsz=true."
     )

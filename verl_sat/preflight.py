@@ -252,7 +252,7 @@ def micro_batch_warnings(actor: DictConfig, policy_loss, data: DictConfig | None
         needed = 2  # the interpolated quantile lies below the top sequence from two on
     else:
         needed = math.ceil(1 / (1 - Fraction(repr(sat.quantile))))
-    token = SAT_KEY_FORMAT.format("granularity") + "=token"
+    carried = SAT_KEY_FORMAT.format("granularity") + "=sequence_carried"
     quantile = SAT_KEY_FORMAT.format("quantile") + f"={sat.quantile}"
     if actor.get("use_dynamic_bsz", False):
         budget = actor.get("ppo_max_token_len_per_gpu")
@@ -268,9 +268,10 @@ def micro_batch_warnings(actor: DictConfig, policy_loss, data: DictConfig | None
             f"(data.max_prompt_length + data.max_response_length = {longest} tokens, {budget * parallel} tokens per "
             f"micro-batch) holds {micro}, so once responses grow to the limit SAT-GSPO's per-micro-batch sequence "
             f"quantile ({quantile}) cannot gate: the top sequence holds more than "
-            f"1 - quantile of the tokens (needs {needed} or more sequences). Set {token} (per-token scores gate "
-            f"within one sequence), or raise the budget to {math.ceil(needed * longest / parallel)} tokens per GPU. "
-            "actor/sat_structurally_empty_frac shows it per step."
+            f"1 - quantile of the tokens (needs {needed} or more sequences). Set {carried} (the quantile over the "
+            "last 256 sequences' scores too: it gates at one sequence per micro-batch), or raise the budget to "
+            f"{math.ceil(needed * longest / parallel)} tokens per GPU. actor/sat_structurally_empty_frac shows it per "
+            "step."
         ]
     micro = actor.get("ppo_micro_batch_size_per_gpu")
     if micro is None or micro >= needed:
@@ -279,9 +280,10 @@ def micro_batch_warnings(actor: DictConfig, policy_loss, data: DictConfig | None
     return [
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}: SAT-GSPO takes its quantile over the "
         f"sequences of one micro-batch, so with {micro} sequence(s) and {quantile} it "
-        f"gates {effect}. Set {token} (per-token scores), use verl's dynamic batching "
-        "(actor_rollout_ref.actor.use_dynamic_bsz=true with actor_rollout_ref.actor.ppo_max_token_len_per_gpu=TOKENS) "
-        f"or set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu >= {needed}."
+        f"gates {effect}. Set {carried} (the quantile over the last 256 sequences' scores too), use verl's dynamic "
+        "batching (actor_rollout_ref.actor.use_dynamic_bsz=true with "
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=TOKENS) or set "
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu >= {needed}."
     ]
 
 
