@@ -5,23 +5,25 @@
 # brings the paper's shared settings (clip 0.2, low-variance KL 1e-3, Adam (0.9, 0.98) at 1e-6, temperature 1.0).
 # Nothing is downloaded: point the paths below at local copies.
 #
-#   LAG=8 bash examples/run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh                 # SAT-GSPO (per token) w/ R3, lag 8
+#   LAG=8 bash examples/run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh             # SAT-GSPO (carried quantile) w/ R3, lag 8
 #   RECIPE=sat_gspo_r3 LAG=8 bash examples/run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh  # the paper's row (Eq. 20)
 #   RECIPE=gspo_r3 LAG=1 bash examples/run_qwen3_30b_a3b_sat_gspo_r3_megatron.sh  # its base row at lag 1
 #   ... [extra verl overrides, e.g. --cfg job]
-# The default row, sat_gspo_token_r3, is NOT the paper's row: it is verl-sat's SAT-GSPO with per-token scores
-# (granularity=token), chosen because a micro-batch of this token budget holds one full-length sequence, and there the
-# paper's sequence scores (RECIPE=sat_gspo_r3, Eq. 20) cannot gate, so the paper's row would train as GSPO w/ R3 (the
-# entry point warns; docs/sat.md, docs/results.md "Sequences per micro-batch"). Which per-token rule to use there
-# (token, or token_ratio_side, whose gate counts only tokens its clip can act on) is still to be measured on long
-# chain-of-thought; RECIPE=sat_gspo_r3 runs the paper's row as published.
+# The default row, sat_gspo_carried_r3, is NOT the paper's row: it is verl-sat's SAT-GSPO with the paper's sequence
+# scores and endpoints (Eq. 20) but the tail quantile taken over the micro-batch's sequences and the last 256 sequences
+# the loss scored before it (granularity=sequence_carried). Chosen because a micro-batch of this token budget holds one
+# full-length sequence, and there the paper's per-micro-batch quantile (RECIPE=sat_gspo_r3) cannot gate, so the paper's
+# row would train as GSPO w/ R3 (the entry point warns; docs/sat.md). Of the rules measured at one to two sequences
+# per micro-batch on a long chain-of-thought task (docs/results.md, "Long chain of thought"), it is the one that can act
+# on every unit it gates, keeps the paper's per-sequence clip and costs about what the paper's loss costs.
+# RECIPE=sat_gspo_r3 runs the paper's row as published.
 set -euo pipefail
 
 # ---- user-adjustable --------------------------------------------------------------------------------------------
 MODEL_PATH=${MODEL_PATH:-$HOME/models/Qwen3-30B-A3B-Base}        # Hugging Face model folder
 TRAIN_FILE=${TRAIN_FILE:-$HOME/data/dapo-math-17k/train.parquet}  # verl parquet (prompt, reward_model.ground_truth)
 VAL_FILE=${VAL_FILE:-$HOME/data/aime-2024/test.parquet}           # AIME24 in verl parquet
-RECIPE=${RECIPE:-sat_gspo_token_r3}                                # any of `verl-sat recipes`
+RECIPE=${RECIPE:-sat_gspo_carried_r3}                              # any of `verl-sat recipes`
 LAG=${LAG:-8}                                                      # paper lag 1 or 8, or sync
 TRAINER_NODES=${TRAINER_NODES:-2}                                  # training nodes x 8 GPUs
 ROLLOUT_NODES=${ROLLOUT_NODES:-2}                                  # dedicated SGLang nodes x 8 GPUs
@@ -32,7 +34,7 @@ MAX_PROMPT_LEN=${MAX_PROMPT_LEN:-2048}
 MAX_RESPONSE_LEN=${MAX_RESPONSE_LEN:-32768}                        # App. F: response cap 32k
 # tokens per micro-batch and GPU (verl's dynamic batching); verl asserts that the budget holds the longest sequence,
 # prompt + response, so it is at least MAX_PROMPT_LEN + MAX_RESPONSE_LEN: once responses reach the cap, one sequence
-# per micro-batch, which per-token SAT scores handle and sequence scores do not
+# per micro-batch, which the carried quantile handles and the paper's per-micro-batch quantile does not
 MAX_TOKENS_PER_GPU=${MAX_TOKENS_PER_GPU:-$((MAX_PROMPT_LEN + MAX_RESPONSE_LEN))}
 TP=${TP:-4}                                                        # Megatron tensor parallel size (dense layers)
 EP=${EP:-8}                                                        # expert parallel size

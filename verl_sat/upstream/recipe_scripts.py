@@ -25,7 +25,8 @@ SCRIPT_PHRASES = (
     ("bash examples/run_", f"bash recipe/{RECIPE}/run_"),
     ("any recipe of `verl-sat recipes`", f"any file of recipe/{RECIPE}/config/recipe/"),
     ("any of `verl-sat recipes`", f"any of recipe/{RECIPE}/config/recipe/"),
-    ('; docs/sat.md, docs/results.md "Sequences per micro-batch").', "; see the README)."),
+    ("(the entry point warns; docs/sat.md).", "(the entry point warns; see the README)."),
+    ('(docs/results.md, "Long chain of thought")', "(see the README)"),
     ("trainer.project_name=verl_sat ", f"trainer.project_name={RECIPE} "),
 )
 
