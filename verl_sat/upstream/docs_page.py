@@ -74,12 +74,13 @@ python3 -m verl.trainer.main_ppo \\
   actor_rollout_ref.actor.clip_ratio_low=0.2 actor_rollout_ref.actor.clip_ratio_high=0.2 \\
   actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=34816 \\
   {quantile_key}=0.9 \\
-  {granularity_key}=token \\
+  {granularity_key}=sequence_carried \\
   ...
 ```
 
-`{granularity_key}=token`: at this token budget a micro-batch holds one full-length sequence once responses
-reach the cap, where the paper's sequence scores cannot gate (see "The scope of the quantile" above).
+`{granularity_key}=sequence_carried`: at this token budget a micro-batch holds one full-length sequence once
+responses reach the cap, where the paper's per-micro-batch quantile cannot gate (see "The scope of the quantile"
+above).
 
 For SAT-GRPO use `loss_mode=sat` (`examples/sat_trainer/` aggregate every method with `seq-mean-token-mean`, one
 rule for all as in the paper). `examples/sat_trainer/` has the paper's setup
