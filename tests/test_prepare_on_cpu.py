@@ -14,7 +14,6 @@
 """``verl-sat prepare``: offline, deterministic tokenizer, MoE policy, verl-format task data, and a warm start that
 lands in its accuracy band or says it missed."""
 
-import functools
 import json
 
 import pandas as pd
@@ -137,7 +136,12 @@ def test_unreachable_band_fails_clearly_and_writes_nothing(tmp_path, capsys, mon
     with pytest.raises(BandMissed, match=r"stopped at its 40 steps with greedy validation accuracy .*below the band"):
         prepare(tmp_path / "w", seed=0, spec=spec, band=(0.95, 1.0), progress=False)
     assert not (tmp_path / "w" / MANIFEST).exists() and not (tmp_path / "w" / ".prepare-tmp").exists()
-    monkeypatch.setattr("verl_sat.embedded.prepare.prepare", functools.partial(prepare, spec=spec, progress=False))
+    # the CLI passes the task's spec: the test's small one stands in for it
+    small = spec
+    monkeypatch.setattr(
+        "verl_sat.embedded.prepare.prepare",
+        lambda workdir, seed, spec, band: prepare(workdir, seed, spec=small, band=band, progress=False),
+    )
     assert cli.main(["prepare", "--workdir", str(tmp_path / "w"), "--band", "0.95,1.0"]) == 1
     assert "the warm start missed its band" in capsys.readouterr().err
     with pytest.raises(SystemExit):
