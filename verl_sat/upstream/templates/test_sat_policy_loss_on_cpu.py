@@ -236,7 +236,7 @@ def test_structurally_empty_gate_warns_once(monkeypatch, caplog):
             _, metrics = get_policy_loss_fn("sat_gspo")(old, new, advantages, mask, "seq-mean-token-mean", config)
             assert metrics["actor/sat_structurally_empty_frac"] == 1.0 and metrics["actor/sat_gate_rate"] == 0.0
     warnings = [r.getMessage() for r in caplog.records if r.name == sat_inert.__name__]
-    assert len(warnings) == 1 and "sat_granularity=token" in warnings[0]
+    assert len(warnings) == 1 and "sat_granularity=sequence_carried" in warnings[0]
 
 
 def test_sat_keys_are_validated_and_named():
