@@ -112,7 +112,7 @@ def _lower_quantile(values: torch.Tensor, alpha: float) -> float:
     return ordered[max(math.ceil(Fraction(repr(alpha)) * len(ordered)), 1) - 1].item()
 
 
-@pytest.mark.parametrize("numel", [1, 300, 5000, 70000, 140000])  # the last one above _SORT_MIN_UNITS: a full sort
+@pytest.mark.parametrize("numel", [1, 300, 5000, 40000, 70000])  # the last one above _SORT_MIN_UNITS: a full sort
 @pytest.mark.parametrize("kind", ["continuous", "ties", "zeros", "spread"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_tail_quantile_matches_references(numel, kind, dtype):

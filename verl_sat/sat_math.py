@@ -265,8 +265,9 @@ def quantile_ranks(num: torch.Tensor, alpha: float, method: str) -> tuple[torch.
 _PATTERNS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
              torch.float16: torch.int16}  # fmt: skip
 # From this many units on, a full sort of the patterns costs less than a topk of the tail (radix sort is linear);
-# below, the topk's small output avoids the allocations of a full sort.
-_SORT_MIN_UNITS = 1 << 17
+# below, the topk's small output avoids the allocations of a full sort (int32 at alpha 0.9 on 2 cores: 65,536 units,
+# sort 0.54 ms against topk 0.74 ms; 32,768 units, 0.27 ms against 0.21 ms).
+_SORT_MIN_UNITS = 1 << 16
 
 
 def tail_quantile(
@@ -517,9 +518,10 @@ def _clean_inputs(log_prob, old_log_prob, advantages, response_mask) -> _CleanIn
 
 
 def _row_counts(flags: torch.Tensor) -> torch.Tensor:
-    """``[B]`` int64 count of the True entries of each row of a bool ``[B, T]``: summed as bytes (a bool sum casts the
-    whole tensor to int64 first, several times the cost on a CPU)."""
-    return flags.view(torch.uint8).sum(dim=-1)
+    """``[B]`` int64 count of the True entries of each row of a bool ``[B, T]``: summed in int32 (exact below 2^31
+    entries; at 64 x 16384 on 2 cores a bool sum, which accumulates in int64, costs 1.7 times as much and a byte view
+    2.7 times), then widened."""
+    return flags.sum(dim=-1, dtype=torch.int32).long()
 
 
 def _clamp_log_ratio(diff: torch.Tensor) -> torch.Tensor:
