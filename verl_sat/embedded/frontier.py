@@ -30,8 +30,8 @@ from verl_sat.embedded.cell_stats import aggregate, holm, num, paired_difference
 
 # row -> its family's base: the rows whose ratio is per token pair with grpo, sequence-level ratios with gspo
 FAMILY = {"grpo": "grpo", "sat_grpo": "grpo", "sapo": "grpo", "cispo": "grpo", "dppo_kl": "grpo",
-          "gspo": "gspo", "sat_gspo": "gspo", "sat_gspo_token": "gspo", "geo_mean": "gspo", "gspo_icepop": "gspo",
-          "gspo_seq_is_rs": "gspo"}  # fmt: skip
+          "gspo": "gspo", "sat_gspo": "gspo", "sat_gspo_carried": "gspo", "sat_gspo_ratio_side": "gspo",
+          "sat_gspo_token": "gspo", "geo_mean": "gspo", "gspo_icepop": "gspo", "gspo_seq_is_rs": "gspo"}  # fmt: skip
 MIN_LAGS = 3  # the view needs rows at this many paper lags
 METRICS = (("last_accuracy", "last_"), ("best_accuracy", ""))
 
