@@ -131,7 +131,8 @@ def test_store_carries_cells_to_another_sweep(tiny_sweep, monkeypatch):
 def record(recipe, lag, seed, best, last, mismatch, regime="paper", **extra):
     return {"cell": {"recipe": recipe, "lag": lag, "seed": seed, "regime": regime}, "overrides": [],
             "summary": {"best_accuracy": best, "last_accuracy": last, "collapsed": last < 0.5 * best,
-                        "last_epoch_mismatch": mismatch, "steps_done": 10, "total_steps": 10, **extra},
+                        "last_epoch_mismatch": mismatch, "steps_done": 10, "total_steps": 10,
+                        "best_step": 10 if last >= best else 5, "last_step": 10, **extra},
             "accuracy": [[0, 0.2], [10, best]], "split": [[10, mismatch, mismatch, 0.004]]}  # fmt: skip
 
 
@@ -334,6 +335,8 @@ def test_frontier_view_locates_collapse_and_pairs_within_and_across_families(tmp
     assert frontiers["sat_gspo"]["frontier"] == 128 and frontiers["grpo"]["frontier"] == 128
     gspo128 = next(r for r in view["rows"] if (r["recipe"], r["lag"]) == ("gspo", 128))
     assert gspo128["collapsed"] == 3 and gspo128["collapse_steps"] == [96, 96, 96]
+    rising = {(r["recipe"], r["lag"]): r["rising"] for r in view["rows"]}  # seeds whose best is the last evaluation
+    assert (rising[("sat_gspo", 8)], rising[("grpo", 8)], rising[("gspo", 8)]) == (2, 0, 3)
     tests = {(t["recipe"], t["base"], t["lag"], t["metric"]): t for t in view["tests"]}
     t = tests[("sat_gspo", "gspo", 128, "last_accuracy")]
     assert t["within_family"] and t["mean_diff"] == pytest.approx(0.30) and (t["wins"], t["losses"]) == (3, 0)
@@ -344,7 +347,8 @@ def test_frontier_view_locates_collapse_and_pairs_within_and_across_families(tmp
     write_report(tmp_path, records, ["verl-sat report ..."])
     table = (tmp_path / "results.md").read_text()
     assert "## The staleness frontier" in table and "| gspo | gspo | 8, 32 | 32 |" in table
-    assert "| gspo | 3 | 40.0 ± 0.0 | 11.0 ± 0.6 | 3/3 (96, 96, 96) |" in table
+    assert "| gspo | 3 | 40.0 ± 0.0 | 11.0 ± 0.6 | 0/3 | 3/3 (96, 96, 96) |" in table
+    assert "| sat_gspo | gspo | 8, 32, 128 | 128 | - | 41.0 ± 0.6 / 41.0 ± 0.0 |" in table  # no lag-1 cell
     assert (tmp_path / "frontier.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "frontier.json").read_text())["frontiers"]
     # two lags only: no frontier view

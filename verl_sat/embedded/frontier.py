@@ -56,6 +56,8 @@ def frontier_view(records: list[dict]) -> dict:
     for row in rows:
         seeds = by_key[(row["recipe"], row["lag"], tuple(row["settings"]))]
         row["collapse_steps"] = [seeds[s]["summary"].get("collapse_step") for s in sorted(seeds)]
+        # seeds whose best evaluation is the last: still rising when the run stopped
+        row["rising"] = sum(seeds[s]["summary"]["best_step"] == seeds[s]["summary"]["last_step"] for s in seeds)
     frontiers = []
     for recipe, settings in dict.fromkeys((r["recipe"], tuple(r["settings"])) for r in rows):
         mine = sorted((r for r in rows if (r["recipe"], tuple(r["settings"])) == (recipe, settings)),
@@ -99,7 +101,8 @@ def _steps(steps: list[int | None]) -> str:
 
 
 def frontier_markdown(view: dict) -> list[str]:
-    """The view's tables: the frontier per row, then per lag the rows with their paired differences."""
+    """The view's tables: the frontier per row, then per lag the rows with their paired differences and how many
+    seeds peaked at their last evaluation (still rising: such a row runs longer)."""
     if not view["rows"]:
         return []
     lags = sorted({r["lag"] for r in view["rows"]})
@@ -109,12 +112,14 @@ def frontier_markdown(view: dict) -> list[str]:
              f"and its frontier is the largest lag up to which it is stable at every lag run. Δ: row - base in "
              f"accuracy points, paired by seed; p: two-sided paired t-test; Holm: adjusted over the "
              f"{len(view['tests'])} tests of this section.", "",
-             "| row | family | stable at lags | frontier | " + " | ".join(f"last acc, lag {n}" for n in lags) + " |",
+             "| row | family | stable at lags | frontier | "
+             + " | ".join(f"last / best acc, lag {n}" for n in lags) + " |",
              "|---" * (4 + len(lags)) + "|"]  # fmt: skip
     by_row = {(r["recipe"], r["lag"], tuple(r["settings"])): r for r in view["rows"]}
     for f in view["frontiers"]:
         cells = [by_row.get((f["recipe"], lag, tuple(f["settings"]))) for lag in lags]
-        lasts = [pct(c["last_accuracy"], c["last_accuracy_se"]) if c else "-" for c in cells]
+        lasts = [f"{pct(c['last_accuracy'], c['last_accuracy_se'])} / {pct(c['best_accuracy'], c['best_accuracy_se'])}"
+                 if c else "-" for c in cells]  # fmt: skip
         lines.append(f"| {f['recipe']} | {FAMILY.get(f['recipe'], '-')} | "
                      f"{', '.join(map(str, f['stable_lags'])) or 'none'} | {f['frontier'] or '-'} | "
                      f"{' | '.join(lasts)} |")  # fmt: skip
@@ -130,11 +135,13 @@ def frontier_markdown(view: dict) -> list[str]:
 
     for lag in lags:
         lines += [f"### Paper lag {lag}", "",
-                  "| row | seeds | best acc | last acc | collapsed (at step) | d̄π | Δ last vs grpo | Δ last vs gspo | "
-                  "Δ best vs grpo | Δ best vs gspo | s / optimizer step |", "|---" * 11 + "|"]  # fmt: skip
+                  "| row | seeds | best acc | last acc | best at the last evaluation | collapsed (at step) | d̄π | "
+                  "Δ last vs grpo | Δ last vs gspo | Δ best vs grpo | Δ best vs gspo | s / optimizer step |",
+                  "|---" * 12 + "|"]  # fmt: skip
         for r in (r for r in view["rows"] if r["lag"] == lag):
             lines.append(f"| {r['recipe']} | {r['seeds']} | {pct(r['best_accuracy'], r['best_accuracy_se'])} | "
-                         f"{pct(r['last_accuracy'], r['last_accuracy_se'])} | {r['collapsed']}/{r['seeds']} "
+                         f"{pct(r['last_accuracy'], r['last_accuracy_se'])} | {r['rising']}/{r['seeds']} | "
+                         f"{r['collapsed']}/{r['seeds']} "
                          f"({_steps(r['collapse_steps'])}) | {num(r['last_epoch_mismatch'])} | "
                          f"{delta(r, 'grpo', 'last_accuracy')} | {delta(r, 'gspo', 'last_accuracy')} | "
                          f"{delta(r, 'grpo', 'best_accuracy')} | {delta(r, 'gspo', 'best_accuracy')} | "
