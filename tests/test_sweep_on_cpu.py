@@ -335,6 +335,8 @@ def test_frontier_view_locates_collapse_and_pairs_within_and_across_families(tmp
     assert frontiers["sat_gspo"]["frontier"] == 128 and frontiers["grpo"]["frontier"] == 128
     gspo128 = next(r for r in view["rows"] if (r["recipe"], r["lag"]) == ("gspo", 128))
     assert gspo128["collapsed"] == 3 and gspo128["collapse_steps"] == [96, 96, 96]
+    near = {entry["lag"]: entry["recipes"] for entry in view["near_best"]}  # within a point of the best last accuracy
+    assert sorted(near[128]) == ["grpo", "sat_gspo"] and sorted(near[8]) == ["grpo", "gspo", "sat_gspo"]
     rising = {(r["recipe"], r["lag"]): r["rising"] for r in view["rows"]}  # seeds whose best is the last evaluation
     assert (rising[("sat_gspo", 8)], rising[("grpo", 8)], rising[("gspo", 8)]) == (2, 0, 3)
     tests = {(t["recipe"], t["base"], t["lag"], t["metric"]): t for t in view["tests"]}
@@ -349,6 +351,7 @@ def test_frontier_view_locates_collapse_and_pairs_within_and_across_families(tmp
     assert "## The staleness frontier" in table and "| gspo | gspo | 8, 32 | 32 |" in table
     assert "| gspo | 3 | 40.0 ± 0.0 | 11.0 ± 0.6 | 0/3 | 3/3 (96, 96, 96) |" in table
     assert "| sat_gspo | gspo | 8, 32, 128 | 128 | - | 41.0 ± 0.6 / 41.0 ± 0.0 |" in table  # no lag-1 cell
+    assert "(41.0), so run on seeds 0-4: grpo, sat_gspo." in table
     assert (tmp_path / "frontier.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "frontier.json").read_text())["frontiers"]
     # two lags only: no frontier view
