@@ -116,5 +116,10 @@ def test_a_sat_run_that_never_gated_fails_naming_the_structure(tmp_path):
     check_sat_acted(run, {1: {gate: 0.0, empty: 1.0}, 2: {gate: 0.04, empty: 0.0}}, tmp_path)
     with pytest.raises(E2EFailed, match=r"SAT never gated .*\{1: 0.0, 2: 0.0\}.*\{1: 1.0, 2: 1.0\}"):
         check_sat_acted(run, {1: {gate: 0.0, empty: 1.0}, 2: {gate: 0.0, empty: 1.0}}, tmp_path)
+    # not structural: the message says whether there was no mismatch (q 0) or a tie at the top (q above 0)
+    q, d = "actor/sat_q", "actor/sat_abs_log_ratio_mean"
+    with pytest.raises(E2EFailed, match=r"q \{1: 0.0, 2: 0.006\} .*mean \|d\| \{1: 0.0, 2: 0.002\}"):
+        steps = {1: {gate: 0.0, empty: 0.0, q: 0.0, d: 0.0}, 2: {gate: 0.0, empty: 0.0, q: 0.006, d: 0.002}}
+        check_sat_acted(run, steps, tmp_path)
     grpo = next(run for run in RUNS if run.folder_name == "separate_async-grpo-lag8")
     check_sat_acted(grpo, {1: {}, 2: {}}, tmp_path)  # no SAT in the recipe: nothing to act

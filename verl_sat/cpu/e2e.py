@@ -295,9 +295,12 @@ def check_sat_acted(run: E2ERun, steps: dict[int, dict], folder: Path) -> None:
         return
     rates = {step: m.get(SAT_GATE) for step, m in sorted(steps.items())}
     if not any(rate is not None and rate > 0 for rate in rates.values()):
-        empty = {step: m.get("actor/sat_structurally_empty_frac") for step, m in sorted(steps.items())}
+        per_step = {key: {step: m.get(f"actor/sat_{key}") for step, m in sorted(steps.items())}
+                    for key in ("structurally_empty_frac", "q", "abs_log_ratio_mean", "units")}  # fmt: skip
         raise E2EFailed(f"{run.folder_name}: SAT never gated ({SAT_GATE} per step {rates}; structurally empty "
-                        f"micro-batches {empty}): SAT ran as its base loss (see "
+                        f"micro-batches {per_step['structurally_empty_frac']}; q {per_step['q']} (0: no mismatch to "
+                        f"gate; above 0: units tied at the top cover q's rank), mean |d| "
+                        f"{per_step['abs_log_ratio_mean']}, units {per_step['units']}): SAT ran as its base loss (see "
                         f"{folder / 'metrics.jsonl'})")  # fmt: skip
 
 

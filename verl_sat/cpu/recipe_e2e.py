@@ -11,7 +11,7 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""``make e2e``'s run of the verl-recipe contribution: a few steps of verl's v1 separate_async trainer through
+"""``make e2e``'s run of the verl-recipe contribution: six steps of verl's v1 separate_async trainer through
 ``python -m recipe.sat.main``, on this CPU, from a checkout laid out as verl lays its ``recipe/`` submodule.
 
 The recipe is the one ``verl-sat upstream`` writes (``DIR/verl-recipe/sat``), laid in as ``recipe/sat`` of a fresh
@@ -56,8 +56,11 @@ from verl_sat.cpu.e2e import (
 from verl_sat.upstream import RECIPE_DIR, write_upstream
 from verl_sat.upstream.recipe_names import PACKAGE, RECIPE
 
+# Six trainer steps (each after the first takes 1-2 s here): at 16 sequences per micro-batch SAT-GSPO's gate holds
+# about one sequence (the tokens above alpha 0.9's rank), and it is empty at a step where sequences tied at the top
+# score cover that rank together (identical responses to one prompt score alike); a CI run gated at neither of 2 steps
 RUN = E2ERun("separate_async", "recipe-sat_gspo_r3-lag1-fsdp1", ("+recipe=sat_gspo_r3", "+lag=lag1", "r3=fsdp", *FSDP1),
-             2, False, (*SAT_METRICS, *R3_METRICS, *REWARD_METRICS))  # fmt: skip
+             6, False, (*SAT_METRICS, *R3_METRICS, *REWARD_METRICS))  # fmt: skip
 LAYER_MODULE = "verl_sat_cpu_layer"  # the module verl imports through VERL_USE_EXTERNAL_MODULES
 RECORDS = "loss_lookups.jsonl"  # what the layer module records, beside the checkout
 RECORDS_ENV = "VERL_SAT_RECIPE_E2E_RECORDS"
