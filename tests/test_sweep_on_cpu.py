@@ -128,6 +128,37 @@ def test_store_carries_cells_to_another_sweep(tiny_sweep, monkeypatch):
     assert json.loads((workdir / "report" / "results.json").read_text())["rows"] == rows
 
 
+def test_longer_optimizer_steps_extend_a_finished_run_as_a_run_of_that_length(tiny_workdir, monkeypatch):
+    """A sweep asking for more ``--optimizer-steps`` than a finished run holds extends that run from its final
+    checkpoint (one process), and the longer cell equals the same cell run from scratch at that length; asking the
+    extended folder for the shorter run again is refused before anything runs."""
+    overrides = [o for o in TINY_RUN if not o.startswith("trainer.total_training_steps")]
+    calls = []
+    real_run = sweep_module.subprocess.run
+
+    def counting_run(command, **kwargs):
+        calls.append(command)
+        return real_run(command, **kwargs)
+
+    monkeypatch.setattr(sweep_module.subprocess, "run", counting_run)
+    args = (tiny_workdir, ["grpo"], [1], [0], overrides)
+    sweep(*args, name="extend", progress=False, optimizer_steps=1, store=tiny_workdir / "short")
+    sweep(*args, name="extend", progress=False, optimizer_steps=2, store=tiny_workdir / "long")
+    sweep(*args, name="scratch", progress=False, optimizer_steps=2, store=tiny_workdir / "scratch")
+    assert len(calls) == 3 and "trainer.total_training_steps=2" in calls[1]
+    short, extended, scratch = (json.loads((tiny_workdir / store / "grpo-lag1-s0.json").read_text())
+                                for store in ("short", "long", "scratch"))  # fmt: skip
+    assert short["summary"]["total_steps"] == 1 and extended["summary"]["steps_done"] == 2
+    assert short["accuracy"] == extended["accuracy"][:2] and len(extended["accuracy"]) == 3
+    timing = "seconds_per_optimizer_step"
+    assert {k: v for k, v in extended["summary"].items() if k != timing} == {
+        k: v for k, v in scratch["summary"].items() if k != timing}  # fmt: skip
+    assert (extended["accuracy"], extended["split"]) == (scratch["accuracy"], scratch["split"])
+    with pytest.raises(StoreMismatch, match="ran 2 trainer steps, more than the 1 asked for"):
+        sweep(*args, name="extend", progress=False, optimizer_steps=1, store=tiny_workdir / "other")
+    assert len(calls) == 3
+
+
 def record(recipe, lag, seed, best, last, mismatch, regime="paper", **extra):
     return {"cell": {"recipe": recipe, "lag": lag, "seed": seed, "regime": regime}, "overrides": [],
             "summary": {"best_accuracy": best, "last_accuracy": last, "collapsed": last < 0.5 * best,

@@ -67,6 +67,10 @@ class Cell:
     def optimizer_steps_per_trainer_step(self) -> int:
         return self.lag if self.regime == "paper" and self.lag > 1 else 1
 
+    def trainer_steps(self, optimizer_steps: int) -> int:
+        """The trainer steps that hold ``optimizer_steps`` optimizer steps at this lag."""
+        return math.ceil(optimizer_steps / self.optimizer_steps_per_trainer_step)
+
     def overrides(self, sweep: str, optimizer_steps: int | None = None) -> list[str]:
         """The paper's lag L: ``+lag=sync`` / ``+lag=lag1`` / ``+lag=lag8``; any other L is lag1 with
         ``parameter_sync_step=L``. A fixed lag L is ``+lag=fixed8`` with the rollout L batches ahead.
@@ -80,17 +84,15 @@ class Cell:
                 "+lag=lag1",
                 f"trainer.v1.separate_async.parameter_sync_step={self.lag}",
             ]
-        steps = (
-            []
-            if optimizer_steps is None
-            else [f"trainer.total_training_steps={math.ceil(optimizer_steps / self.optimizer_steps_per_trainer_step)}"]
+        total = (
+            [] if optimizer_steps is None else [f"trainer.total_training_steps={self.trainer_steps(optimizer_steps)}"]
         )
         return [
             f"+recipe={self.recipe}",
             *lag,
             f"data.seed={self.seed}",
             f"trainer.experiment_name={sweep}/{self.name}",
-            *steps,
+            *total,
         ]  # fmt: skip
 
 
@@ -107,16 +109,23 @@ def run_dir(workdir: Path, sweep: str, cell: Cell) -> Path:
     return workdir / "runs" / sweep / cell.name
 
 
-def finished(summary_path: Path) -> dict | None:
-    """The summary of a finished run, else ``None``."""
+class StoreMismatch(ValueError):
+    """A stored cell record was made with other overrides than the sweep asks for, or a run holds more steps."""
+
+
+def finished(summary_path: Path, total_steps: int | None = None) -> dict | None:
+    """The summary of a finished run, else ``None``: also ``None`` for a run finished at fewer than ``total_steps``
+    trainer steps (re-running it extends it); a run extended beyond ``total_steps`` is refused (its curve and summary
+    are of the longer run)."""
     if not summary_path.is_file():
         return None
     summary = json.loads(summary_path.read_text())
+    if total_steps is not None and summary["total_steps"] > total_steps:
+        raise StoreMismatch(f"{summary_path.parent} ran {summary['total_steps']} trainer steps, more than the "
+                            f"{total_steps} asked for: choose another sweep --name")  # fmt: skip
+    if total_steps is not None and summary["total_steps"] < total_steps:
+        return None
     return summary if summary["steps_done"] >= summary["total_steps"] else None
-
-
-class StoreMismatch(ValueError):
-    """A stored cell record was made with other overrides than the sweep asks for."""
 
 
 def make_record(cell: Cell, overrides: list[str], optimizer_steps: int | None, summary: dict,
@@ -159,7 +168,8 @@ def run_cell(workdir: Path, sweep: str, cell: Cell, overrides: list[str], thread
     if record is not None:
         return cell, record
     folder = run_dir(workdir, sweep, cell)
-    summary = finished(folder / "summary.json")
+    total_steps = None if optimizer_steps is None else cell.trainer_steps(optimizer_steps)
+    summary = finished(folder / "summary.json", total_steps)
     if summary is None:
         logs = workdir / "sweeps" / sweep / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -170,7 +180,7 @@ def run_cell(workdir: Path, sweep: str, cell: Cell, overrides: list[str], thread
             log.write(" ".join(command) + "\n")
             log.flush()
             subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
-        summary = finished(folder / "summary.json")
+        summary = finished(folder / "summary.json", total_steps)
         if summary is None:
             return cell, None
     record = make_record(cell, overrides, optimizer_steps, summary, run_files.read_metrics(folder / "metrics.jsonl"))
@@ -192,8 +202,9 @@ def sweep(workdir: str | Path, recipes: list[str], lags: list[int | str], seeds:
     lag_specs = [parse_lag(str(lag)) for lag in lags]
     # seed by seed: early seeds finish first
     cells = [Cell(r, lag, s, regime) for s in seeds for r in recipes for lag, regime in lag_specs]
-    for cell in cells:  # refuse a store made with other overrides before anything runs
-        stored_record(store, cell, overrides, optimizer_steps)
+    for cell in cells:  # refuse a store made with other overrides, or a run extended beyond, before anything runs
+        if stored_record(store, cell, overrides, optimizer_steps) is None and optimizer_steps is not None:
+            finished(run_dir(workdir, name, cell) / "summary.json", cell.trainer_steps(optimizer_steps))
     threads = max(1, (os.cpu_count() or 1) // jobs)
     failed, records = [], []
     with ThreadPoolExecutor(max_workers=jobs) as pool, tqdm(total=len(cells), desc=f"sweep {name}", unit="cell",
