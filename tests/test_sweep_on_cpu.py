@@ -276,13 +276,22 @@ def test_remedy_view_pairs_each_remedy_with_gspo_and_sat_gspo(tmp_path):
     assert k3["vs_base"]["mean_diff"] == pytest.approx(0.02) and k3["vs_base"]["last_mean_diff"] == pytest.approx(0.09)
     assert k3["sat_vs"]["mean_diff"] == pytest.approx(0.05) and (k3["sat_vs"]["wins"], k3["sat_vs"]["losses"]) == (3, 0)
     assert k3["row"]["rs_masked_frac"] == pytest.approx(0.3)
+    # Holm over the distinct tests (sat_gspo - gspo once, k3 - gspo, sat_gspo - k3; best and last): 6 p-values
+    assert gspo["sat_vs"] is sat["vs_base"]
+    tests = [sat["vs_base"], k3["vs_base"], k3["sat_vs"]]
+    ps = [t["p_value"] for t in tests] + [t["last_p_value"] for t in tests]
+    assert [t["p_holm"] for t in tests] + [t["last_p_holm"] for t in tests] == pytest.approx(holm(ps))
+    smallest = min(p for p in ps if p is not None)
+    assert min(h for h in holm(ps) if h is not None) == pytest.approx(
+        min(1.0, sum(p is not None for p in ps) * smallest)
+    )
     write_report(tmp_path, records, ["verl-sat report ..."])
     table = (tmp_path / "results.md").read_text()
     assert "## Remedies under staleness (lag8)" in table and "Remedies under staleness (lag1" not in table
     assert "| gspo | 3 | 30.0 ± 0.0 | 20.0 ± 0.0 | 0/3 | 0.1000 | 0.0200 | - | - | - | 1.00 | - | - |" in table
     assert (
-        "| gspo_k3_rs | 3 | 32.0 ± 0.0 | 29.0 ± 0.6 | 0/3 | 0.0400 | - | 0.3000 | - | - | - | +2.0 (0.000, 3/0) |"
-        in table
+        "| gspo_k3_rs | 3 | 32.0 ± 0.0 | 29.0 ± 0.6 | 0/3 | 0.0400 | - | 0.3000 | - | - | - | +2.0 (0.000, Holm 0.000, "
+        "3/0) |" in table
     )
     assert (tmp_path / "remedies.png").stat().st_size > 10_000
     assert remedy_view([r for r in records if r["cell"]["recipe"] != "gspo"]) == []

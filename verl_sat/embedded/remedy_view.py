@@ -16,7 +16,8 @@
 
 Each row carries its accuracy, collapses, d̄π, what it clips, masks or reweights (run means over every training
 step), its wall time per optimizer step, its paired difference to ``gspo`` and ``sat_gspo``'s paired difference to it
-(``cell_stats.paired_differences``, two-sided paired t-test). Written by ``report.write_report`` as a section of
+(``cell_stats.paired_differences``, two-sided paired t-test, then Holm-adjusted over every distinct test of the
+view, best and last). Written by ``report.write_report`` as a section of
 ``results.md`` and ``remedies.png`` (best and last accuracy against d̄π, one panel per lag) when the records hold a
 remedy row and ``gspo`` at the same lag and settings.
 """
@@ -24,7 +25,7 @@ remedy row and ``gspo`` at the same lag and settings.
 from pathlib import Path
 
 from verl_sat.embedded import cell_stats
-from verl_sat.embedded.cell_stats import aggregate, lag_label, num, p_text, paired_differences, pct, select
+from verl_sat.embedded.cell_stats import aggregate, holm, lag_label, num, p_text, paired_differences, pct, select
 from verl_sat.recipe_catalog import REMEDY_ROWS
 
 BASE, SAT = "gspo", "sat_gspo"  # every remedy row is gspo plus one remedy; sat_gspo is SAT's row on the same base
@@ -33,8 +34,9 @@ BASE, SAT = "gspo", "sat_gspo"  # every remedy row is gspo plus one remedy; sat_
 def remedy_view(records: list[dict]) -> list[dict]:
     """One entry per (lag, settings, row) for ``gspo``, ``sat_gspo`` and each remedy row there, where ``gspo`` ran at
     that lag and settings: ``{"row": aggregate row, "vs_base": row - gspo, "sat_vs": sat_gspo - row}`` (paired by
-    seed; ``None`` for the row itself). In lag order (as in the records), then ``gspo``, ``sat_gspo``, the remedies
-    in ``REMEDY_ROWS`` order. Empty when no remedy row has its ``gspo``."""
+    seed; ``None`` for the row itself; ``p_holm`` and ``last_p_holm`` adjust over every distinct test of the view,
+    ``sat_gspo - gspo`` counted once). In lag order (as in the records), then ``gspo``, ``sat_gspo``, the remedies in
+    ``REMEDY_ROWS`` order. Empty when no remedy row has its ``gspo``."""
     names = (BASE, SAT, *REMEDY_ROWS)
     chosen = select(records, list(names))
     groups: dict[tuple, dict[int, dict]] = {}
@@ -43,12 +45,16 @@ def remedy_view(records: list[dict]) -> list[dict]:
         key = (cell["recipe"], lag_label(cell["regime"], cell["lag"]), cell_stats.settings(record))
         groups.setdefault(key, {})[cell["seed"]] = record["summary"]
 
+    tests: dict[tuple, dict | None] = {}  # one entry per distinct test: sat_gspo - gspo is asked for twice
+
     def pair(a: str, b: str, label: str, settings: tuple) -> dict | None:
-        first, second = groups.get((a, label, settings)), groups.get((b, label, settings))
-        if a == b or first is None or second is None:
-            return None
-        seeds = sorted(set(first) & set(second))
-        return {"seeds": seeds, **paired_differences([(first[s], second[s]) for s in seeds])} if seeds else None
+        if (a, b, label, settings) not in tests:
+            first, second = groups.get((a, label, settings)), groups.get((b, label, settings))
+            seeds = [] if a == b or first is None or second is None else sorted(set(first) & set(second))
+            tests[(a, b, label, settings)] = (
+                {"seeds": seeds, **paired_differences([(first[s], second[s]) for s in seeds])} if seeds else None
+            )
+        return tests[(a, b, label, settings)]
 
     rows = {(r["recipe"], r["lag_label"], tuple(r["settings"])): r for r in aggregate(chosen)}
     if not any((name, label, settings) in rows and (BASE, label, settings) in rows
@@ -61,6 +67,10 @@ def remedy_view(records: list[dict]) -> list[dict]:
         view += [{"row": rows[(name, label, settings)], "vs_base": pair(name, BASE, label, settings),
                   "sat_vs": pair(SAT, name, label, settings)}
                  for name in names if (name, label, settings) in rows]  # fmt: skip
+    done = [test for test in tests.values() if test is not None]
+    adjusted = holm([t["p_value"] for t in done] + [t["last_p_value"] for t in done])
+    for test, best, last in zip(done, adjusted[: len(done)], adjusted[len(done) :], strict=True):
+        test["p_holm"], test["last_p_holm"] = best, last
     return view
 
 
@@ -68,7 +78,8 @@ def _diff(entry: dict | None, prefix: str = "") -> str:
     if entry is None:
         return "-"
     wins = f", {entry[f'{prefix}wins']}/{entry[f'{prefix}losses']}" if not prefix else ""
-    return f"{100 * entry[f'{prefix}mean_diff']:+.1f} ({p_text(entry[f'{prefix}p_value'])}{wins})"
+    p_values = f"{p_text(entry[f'{prefix}p_value'])}, Holm {p_text(entry[f'{prefix}p_holm'])}"
+    return f"{100 * entry[f'{prefix}mean_diff']:+.1f} ({p_values}{wins})"
 
 
 def remedy_markdown(view: list[dict]) -> list[str]:
@@ -82,7 +93,8 @@ def remedy_markdown(view: list[dict]) -> list[str]:
                   "(`rollout_rs_masked_fraction`), IS out = tokens whose IS weight is out of its bounds (truncated, "
                   "or zeroed by IcePop), SAT = tokens SAT's contracted bound intercepts; s/step = wall time per "
                   "optimizer step (two cells at a time on 2 cores). Δ: paired by seed, in accuracy points "
-                  "(p: two-sided paired t-test; wins/losses).", "",
+                  "(p: two-sided paired t-test; Holm: adjusted over every distinct test of the remedy tables, every "
+                  "lag, best and last; wins/losses).", "",
                   f"| row | seeds | best acc | last acc | collapsed | d̄π | clipped | masked | IS out | SAT | s/step "
                   f"| Δ best vs {BASE} | Δ last vs {BASE} | {SAT} - row, best | {SAT} - row, last |",
                   "|---" * 15 + "|"]  # fmt: skip
