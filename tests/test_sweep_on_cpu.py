@@ -210,6 +210,7 @@ def test_paired_statistic_by_hand():
     assert entry["t"] == pytest.approx(t) and entry["p_value"] == pytest.approx(1 - t / math.sqrt(2 + t * t))
     assert entry["last_mean_diff"] == pytest.approx(0.1)
     assert paired_t_test([0.1]) == (None, None) and paired_t_test([0.0, 0.0]) == (0.0, 1.0)
+    assert paired_t_test([0.005, 0.005]) == (math.inf, None)  # no spread: no test, not p = 0
     assert paired_t_test([0.1, -0.1])[1] == pytest.approx(1.0)
 
 
@@ -290,8 +291,8 @@ def test_remedy_view_pairs_each_remedy_with_gspo_and_sat_gspo(tmp_path):
     assert "## Remedies under staleness (lag8)" in table and "Remedies under staleness (lag1" not in table
     assert "| gspo | 3 | 30.0 ± 0.0 | 20.0 ± 0.0 | 0/3 | 0.1000 | 0.0200 | - | - | - | 1.00 | - | - |" in table
     assert (
-        "| gspo_k3_rs | 3 | 32.0 ± 0.0 | 29.0 ± 0.6 | 0/3 | 0.0400 | - | 0.3000 | - | - | - | +2.0 (0.000, Holm 0.000, "
-        "3/0) |" in table
+        "| gspo_k3_rs | 3 | 32.0 ± 0.0 | 29.0 ± 0.6 | 0/3 | 0.0400 | - | 0.3000 | - | - | - | +2.0 (-, Holm -, 3/0) |"
+        in table
     )
     assert (tmp_path / "remedies.png").stat().st_size > 10_000
     assert remedy_view([r for r in records if r["cell"]["recipe"] != "gspo"]) == []
@@ -384,7 +385,20 @@ def test_frontier_view_locates_collapse_and_pairs_within_and_across_families(tmp
     assert t["within_family"] and t["mean_diff"] == pytest.approx(0.30) and (t["wins"], t["losses"]) == (3, 0)
     assert not tests[("sat_gspo", "grpo", 128, "last_accuracy")]["within_family"]
     assert ("gspo", "gspo", 8, "last_accuracy") not in tests and ("grpo", "gspo", 8, "best_accuracy") in tests
-    assert [t["p_holm"] for t in view["tests"]] == holm([t["p_value"] for t in view["tests"]])
+
+    # Holm over the distinct tests: grpo - gspo and gspo - grpo are one test (the same p), counted once
+    def key(t):
+        return frozenset((t["recipe"], t["base"])), t["lag"], t["metric"]
+
+    distinct = {key(t): t["p_value"] for t in view["tests"]}
+    assert len(distinct) == len(view["tests"]) - 6  # 3 lags x best and last
+    adjusted = dict(zip(distinct, holm(list(distinct.values())), strict=True))
+    assert all(t["p_holm"] == adjusted[key(t)] for t in view["tests"])
+    assert (
+        tests[("grpo", "gspo", 8, "last_accuracy")]["p_holm"] == tests[("gspo", "grpo", 8, "last_accuracy")]["p_holm"]
+    )
+    # best accuracy 0.42 against 0.40 on every seed: no spread, so no test (not p = 0) and out of Holm's count
+    assert tests[("grpo", "gspo", 8, "best_accuracy")]["p_value"] is None
     assert all(t["p_holm"] is None or t["p_holm"] >= t["p_value"] for t in view["tests"])
     write_report(tmp_path, records, ["verl-sat report ..."])
     table = (tmp_path / "results.md").read_text()

@@ -60,14 +60,15 @@ def mean_or_none(values: list) -> float | None:
 
 def paired_t_test(differences: list[float]) -> tuple[float | None, float | None]:
     """``(t, two-sided p)`` of the paired t-test on per-seed differences; ``(None, None)`` below two pairs. With no
-    spread, ``p`` is 1 for a zero mean and 0 otherwise."""
+    spread the test is undefined: ``p`` is 1 for a zero mean (the same results) and ``None`` otherwise (a few seeds
+    with the same difference, which accuracies on a fixed test set make common, are no evidence of ``p = 0``)."""
     n = len(differences)
     if n < 2:
         return None, None
     mean = sum(differences) / n
     sd = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1))
     if sd == 0:
-        return (0.0, 1.0) if mean == 0 else (math.copysign(math.inf, mean), 0.0)
+        return (0.0, 1.0) if mean == 0 else (math.copysign(math.inf, mean), None)
     t = mean / (sd / math.sqrt(n))
     df = n - 1
     return t, float(mpmath.betainc(df / 2, 0.5, 0, df / (df + t * t), regularized=True))

@@ -92,8 +92,11 @@ def frontier_view(records: list[dict]) -> dict:
                               "mean_diff": diff[f"{prefix}mean_diff"], "diff_se": diff[f"{prefix}diff_se"],
                               "p_value": diff[f"{prefix}p_value"], "wins": diff[f"{prefix}wins"],
                               "losses": diff[f"{prefix}losses"]})  # fmt: skip
-    for test, adjusted in zip(tests, holm([t["p_value"] for t in tests]), strict=True):
-        test["p_holm"] = adjusted
+    # Holm over the distinct tests: grpo - gspo and gspo - grpo are one test
+    distinct = {_test_key(t): t["p_value"] for t in tests}
+    adjusted = dict(zip(distinct, holm(list(distinct.values())), strict=True))
+    for test in tests:
+        test["p_holm"] = adjusted[_test_key(test)]
     near_best = []
     for lag, settings in dict.fromkeys((r["lag"], tuple(r["settings"])) for r in rows):
         mine = [r for r in rows if (r["lag"], tuple(r["settings"])) == (lag, settings)]
@@ -101,6 +104,16 @@ def frontier_view(records: list[dict]) -> dict:
         near = [r["recipe"] for r in mine if r["last_accuracy"] >= best - NEAR_BEST]
         near_best.append({"lag": lag, "settings": list(settings), "best_last_accuracy": best, "recipes": near})
     return {"rows": rows, "frontiers": frontiers, "tests": tests, "near_best": near_best}
+
+
+def _test_key(test: dict) -> tuple:
+    """One key per distinct test: the pair of rows unordered (a base against the other family's base is one test)."""
+    return frozenset((test["recipe"], test["base"])), test["lag"], tuple(test["settings"]), test["metric"]
+
+
+def _tested(tests: list[dict]) -> int:
+    """How many distinct tests have a p-value (the count Holm adjusts over)."""
+    return len({_test_key(t) for t in tests if t["p_value"] is not None})
 
 
 def _steps(steps: list[int | None]) -> str:
@@ -118,8 +131,8 @@ def frontier_markdown(view: dict) -> list[str]:
              f"Collapsed: runs whose accuracy stays below half of the best it had reached, from the step given on "
              f"(evaluations every few optimizer steps); a row is stable at a lag where none of its seeds collapsed, "
              f"and its frontier is the largest lag up to which it is stable at every lag run. Δ: row - base in "
-             f"accuracy points, paired by seed; p: two-sided paired t-test; Holm: adjusted over the "
-             f"{len(view['tests'])} tests of this section.", "",
+             f"accuracy points, paired by seed; p: two-sided paired t-test ('-' where the seeds' differences do not "
+             f"vary: no test); Holm: adjusted over the {_tested(view['tests'])} distinct tests of this section.", "",
              "| row | family | stable at lags | frontier | "
              + " | ".join(f"last / best acc, lag {n}" for n in lags) + " |",
              "|---" * (4 + len(lags)) + "|"]  # fmt: skip

@@ -93,8 +93,8 @@ def remedy_markdown(view: list[dict]) -> list[str]:
                   "(`rollout_rs_masked_fraction`), IS out = tokens whose IS weight is out of its bounds (truncated, "
                   "or zeroed by IcePop), SAT = tokens SAT's contracted bound intercepts; s/step = wall time per "
                   "optimizer step (two cells at a time on 2 cores). Δ: paired by seed, in accuracy points "
-                  "(p: two-sided paired t-test; Holm: adjusted over every distinct test of the remedy tables, every "
-                  "lag, best and last; wins/losses).", "",
+                  "(p: two-sided paired t-test, '-' where the seeds' differences do not vary: no test; Holm: adjusted "
+                  "over every distinct test of the remedy tables, every lag, best and last; wins/losses).", "",
                   f"| row | seeds | best acc | last acc | collapsed | d̄π | clipped | masked | IS out | SAT | s/step "
                   f"| Δ best vs {BASE} | Δ last vs {BASE} | {SAT} - row, best | {SAT} - row, last |",
                   "|---" * 15 + "|"]  # fmt: skip

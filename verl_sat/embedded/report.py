@@ -136,8 +136,9 @@ def results_markdown(rows: list[dict], pairs: list[dict], commands: list[str], f
         lines.append("")
     if pairs:
         lines += ["## SAT against its base recipe, paired by seed", "",
-                  "Difference SAT - base in accuracy points, mean over the seeds both ran; p: two-sided paired t-test, "
-                  "then Holm-adjusted over every test of this table (best and last of each row) in parentheses; "
+                  "Difference SAT - base in accuracy points, mean over the seeds both ran; p: two-sided paired t-test "
+                  "('-' where the seeds' differences do not vary: no test), then Holm-adjusted over every test of "
+                  "this table (best and last of each row) in parentheses; "
                   "wins/losses: seeds where SAT is above/below.", "",
                   "| SAT recipe | base | lag | settings | seeds | Δ best | p (Holm) | wins/losses | Δ last | p (Holm) "
                   "| q/ε |",
