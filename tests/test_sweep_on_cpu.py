@@ -156,6 +156,11 @@ def test_longer_optimizer_steps_extend_a_finished_run_as_a_run_of_that_length(ti
     assert (extended["accuracy"], extended["split"]) == (scratch["accuracy"], scratch["split"])
     with pytest.raises(StoreMismatch, match="ran 2 trainer steps, more than the 1 asked for"):
         sweep(*args, name="extend", progress=False, optimizer_steps=1, store=tiny_workdir / "other")
+    # an extension interrupted after its checkpoint, before its summary: the 1-step summary is no longer the run's
+    summary = tiny_workdir / "runs" / "extend" / "grpo-lag1-s0" / "summary.json"
+    summary.write_text(json.dumps(short["summary"]))
+    with pytest.raises(StoreMismatch, match="ran 2 trainer steps, more than the 1 asked for"):
+        sweep(*args, name="extend", progress=False, optimizer_steps=1, store=tiny_workdir / "other")
     assert len(calls) == 3
 
 

@@ -115,14 +115,16 @@ class StoreMismatch(ValueError):
 
 def finished(summary_path: Path, total_steps: int | None = None) -> dict | None:
     """The summary of a finished run, else ``None``: also ``None`` for a run finished at fewer than ``total_steps``
-    trainer steps (re-running it extends it); a run extended beyond ``total_steps`` is refused (its curve and summary
-    are of the longer run)."""
+    trainer steps (re-running it extends it); a run extended beyond ``total_steps``, also one whose extension was
+    interrupted (a checkpoint past its summary), is refused: its metrics hold the longer run."""
     if not summary_path.is_file():
         return None
     summary = json.loads(summary_path.read_text())
-    if total_steps is not None and summary["total_steps"] > total_steps:
-        raise StoreMismatch(f"{summary_path.parent} ran {summary['total_steps']} trainer steps, more than the "
-                            f"{total_steps} asked for: choose another sweep --name")  # fmt: skip
+    saved = run_files.checkpoints(summary_path.parent / "checkpoints")
+    ran = max(summary["total_steps"], int(saved[-1].stem.rsplit("_", 1)[1]) if saved else 0)
+    if total_steps is not None and ran > total_steps:
+        raise StoreMismatch(f"{summary_path.parent} ran {ran} trainer steps, more than the {total_steps} asked for: "
+                            f"choose another sweep --name")  # fmt: skip
     if total_steps is not None and summary["total_steps"] < total_steps:
         return None
     return summary if summary["steps_done"] >= summary["total_steps"] else None
