@@ -18,6 +18,7 @@ to another sweep without running them again."""
 import csv
 import json
 import math
+import shutil
 
 import pytest
 
@@ -162,6 +163,16 @@ def test_longer_optimizer_steps_extend_a_finished_run_as_a_run_of_that_length(ti
     with pytest.raises(StoreMismatch, match="ran 2 trainer steps, more than the 1 asked for"):
         sweep(*args, name="extend", progress=False, optimizer_steps=1, store=tiny_workdir / "other")
     assert len(calls) == 3
+    # an extension interrupted before its first checkpoint logged steps past the summary: the record leaves them out
+    runs = tiny_workdir / "runs"
+    (runs / "interrupted").mkdir()
+    shutil.copytree(runs / "extend" / "grpo-lag1-s0", runs / "interrupted" / "grpo-lag1-s0")
+    (runs / "interrupted" / "grpo-lag1-s0" / "checkpoints" / "global_step_2.pt").unlink()
+    summary = runs / "interrupted" / "grpo-lag1-s0" / "summary.json"
+    summary.write_text(json.dumps(short["summary"]))
+    sweep(*args, name="interrupted", progress=False, optimizer_steps=1, store=tiny_workdir / "interrupted")
+    interrupted = json.loads((tiny_workdir / "interrupted" / "grpo-lag1-s0.json").read_text())
+    assert len(calls) == 3 and interrupted["accuracy"] == short["accuracy"] and interrupted["split"] == short["split"]
 
 
 def record(recipe, lag, seed, best, last, mismatch, regime="paper", **extra):
@@ -216,6 +227,10 @@ def test_paired_statistic_by_hand():
     assert entry["last_mean_diff"] == pytest.approx(0.1)
     assert paired_t_test([0.1]) == (None, None) and paired_t_test([0.0, 0.0]) == (0.0, 1.0)
     assert paired_t_test([0.005, 0.005]) == (math.inf, None)  # no spread: no test, not p = 0
+    # the same difference of different accuracies, unequal only by float rounding: no spread either
+    same = [0.45 - 0.40, 0.75 - 0.70, 0.20 - 0.15]
+    assert len(set(same)) > 1 and paired_t_test(same) == (math.inf, None)
+    assert paired_t_test([0.05, 0.05 + 1e-6])[1] is not None  # a real spread, however small, is tested
     assert paired_t_test([0.1, -0.1])[1] == pytest.approx(1.0)
 
 

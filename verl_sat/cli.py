@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     grid.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     grid.add_argument("--jobs", type=int, default=1, help="cells run in parallel processes (default 1)")
     grid.add_argument("--optimizer-steps", type=int, default=None,
-                      help="optimizer steps per run at every lag (default: the engine's, 200)")  # fmt: skip
+                      help="optimizer steps per run at every lag (default: the engine's, 200); more than a finished "
+                      "run of this --name holds extends it from its final checkpoint")  # fmt: skip
     grid.add_argument("--store", default=None, help="folder of finished cells' records: cells found there are "
                       "not run again, new ones are added (commit it to continue a sweep elsewhere)")  # fmt: skip
     grid.add_argument("overrides", nargs="*", help="Hydra overrides applied to every run")

@@ -58,16 +58,21 @@ def mean_or_none(values: list) -> float | None:
     return sum(present) / len(present) if present else None
 
 
+_NO_SPREAD = 1e-9  # relative spread below which per-seed differences count as equal (float rounding, not seeds)
+
+
 def paired_t_test(differences: list[float]) -> tuple[float | None, float | None]:
     """``(t, two-sided p)`` of the paired t-test on per-seed differences; ``(None, None)`` below two pairs. With no
     spread the test is undefined: ``p`` is 1 for a zero mean (the same results) and ``None`` otherwise (a few seeds
-    with the same difference, which accuracies on a fixed test set make common, are no evidence of ``p = 0``)."""
+    with the same difference, which accuracies on a fixed test set make common, are no evidence of ``p = 0``). A
+    spread within float rounding of the mean (differences of accuracies that are equal in exact arithmetic, such as
+    0.45 - 0.40 and 0.75 - 0.70) counts as none."""
     n = len(differences)
     if n < 2:
         return None, None
     mean = sum(differences) / n
     sd = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1))
-    if sd == 0:
+    if sd <= _NO_SPREAD * max(1.0, abs(mean)):
         return (0.0, 1.0) if mean == 0 else (math.copysign(math.inf, mean), None)
     t = mean / (sd / math.sqrt(n))
     df = n - 1

@@ -18,9 +18,9 @@ Per row and lag: best and last accuracy, the runs that collapsed (``run_files.co
 the lags at which it is stable (no seed collapsed) and its frontier, the largest lag up to which it is stable at every
 lag run. Paired by seed, on last and on best accuracy: each row against its own family's base (per-token ratio rows
 against ``grpo``, sequence-level rows against ``gspo``: ``FAMILY``) and against the other family's base, two-sided
-paired t-tests with the Holm correction over every test the view reports. Written by ``report.write_report`` as a
-section of ``results.md`` and ``frontier.png`` (last accuracy against lag, one line per row) when the records hold
-paper-lag rows at three lags or more.
+paired t-tests with the Holm correction over the distinct tests the view reports (``_tested``). Written by
+``report.write_report`` as a section of ``results.md`` and ``frontier.png`` (last accuracy against lag, one line per
+row) when the records hold paper-lag rows at three lags or more.
 """
 
 from pathlib import Path

@@ -65,8 +65,8 @@ def base_settings(settings_: tuple[str, ...]) -> tuple[str, ...]:
 
 def paired(records: list[dict]) -> list[dict]:
     """One entry per SAT recipe against its base recipe, per lag and settings (the base on ``base_settings``), on the
-    seeds both have: the mean per-seed difference of best and of last accuracy, the paired t-test's p-value, and
-    SAT's wins."""
+    seeds both have: the mean per-seed difference of best and of last accuracy, the paired t-test's p-value, its
+    Holm adjustment over every entry's best and last test (``p_holm``, ``last_p_holm``), and SAT's wins."""
     by_key = groups(records)
     entries = []
     for (recipe, regime, lag, settings_), group in by_key.items():
@@ -82,6 +82,9 @@ def paired(records: list[dict]) -> list[dict]:
         entry["q_over_radius"] = mean_or_none([sat.get("last_q_over_radius") for sat, _ in pairs])
         entry["intercepted_frac"] = mean_or_none([sat.get("last_intercepted_frac") for sat, _ in pairs])
         entries.append(entry)
+    adjusted = holm([e["p_value"] for e in entries] + [e["last_p_value"] for e in entries])
+    for entry, best, last in zip(entries, adjusted[: len(entries)], adjusted[len(entries) :], strict=True):
+        entry["p_holm"], entry["last_p_holm"] = best, last
     return entries
 
 
@@ -143,13 +146,11 @@ def results_markdown(rows: list[dict], pairs: list[dict], commands: list[str], f
                   "| SAT recipe | base | lag | settings | seeds | Δ best | p (Holm) | wins/losses | Δ last | p (Holm) "
                   "| q/ε |",
                   "|---" * 11 + "|"]  # fmt: skip
-        adjusted = holm([e["p_value"] for e in pairs] + [e["last_p_value"] for e in pairs])
-        best_holm, last_holm = adjusted[: len(pairs)], adjusted[len(pairs) :]
         lines += [f"| {e['recipe']} | {e['base']} | {e['lag_label']} | {' '.join(e['settings']) or '-'} | "
-                  f"{len(e['seeds'])} | {100 * e['mean_diff']:+.1f} | {p_text(e['p_value'])} ({p_text(b)}) | "
+                  f"{len(e['seeds'])} | {100 * e['mean_diff']:+.1f} | {p_text(e['p_value'])} ({p_text(e['p_holm'])}) | "
                   f"{e['wins']}/{e['losses']} | {100 * e['last_mean_diff']:+.1f} | {p_text(e['last_p_value'])} "
-                  f"({p_text(h)}) | {num(e['q_over_radius'], 3)} |"
-                  for e, b, h in zip(pairs, best_holm, last_holm, strict=True)]  # fmt: skip
+                  f"({p_text(e['last_p_holm'])}) | {num(e['q_over_radius'], 3)} |"
+                  for e in pairs]  # fmt: skip
         lines.append("")
     lines += micro_batch_markdown(rows, pairs)
     lines += remedy_view.remedy_markdown(remedies)
@@ -213,14 +214,18 @@ def micro_batch_markdown(rows: list[dict], pairs: list[dict]) -> list[str]:
         lines += [f"## Sequences per micro-batch ({label})", "",
                   "The optimizer step is the same at every size; only the sequences per forward/backward, and so per "
                   "SAT quantile, change. Δ: SAT row - base row at the same size, paired by seed (p: two-sided paired "
-                  "t-test). empty: micro-batches whose gate could not act (actor/sat_structurally_empty_frac).", "",
-                  "| seqs / micro-batch | row | seeds | best acc | last acc | Δ best (p, wins/losses) | Δ last (p) "
+                  "t-test, '-' where the seeds' differences do not vary: no test; in brackets Holm-adjusted over "
+                  "every test of the paired comparisons). empty: micro-batches whose gate could not act "
+                  "(actor/sat_structurally_empty_frac).", "",
+                  "| seqs / micro-batch | row | seeds | best acc | last acc | Δ best (p (Holm), wins/losses) "
+                  "| Δ last (p (Holm)) "
                   "| gate | empty | intercepted | d̄π |", "|---" * 11 + "|"]  # fmt: skip
         for v in (v for v in view if v["lag_label"] == label):
             r, e = v["row"], v["pair"]
-            delta = "-" if e is None else (f"{100 * e['mean_diff']:+.1f} ({p_text(e['p_value'])}, "
-                                           f"{e['wins']}/{e['losses']})")  # fmt: skip
-            delta_last = "-" if e is None else f"{100 * e['last_mean_diff']:+.1f} ({p_text(e['last_p_value'])})"
+            delta = "-" if e is None else (f"{100 * e['mean_diff']:+.1f} ({p_text(e['p_value'])} "
+                                           f"({p_text(e['p_holm'])}), {e['wins']}/{e['losses']})")  # fmt: skip
+            delta_last = "-" if e is None else (f"{100 * e['last_mean_diff']:+.1f} ({p_text(e['last_p_value'])} "
+                                                f"({p_text(e['last_p_holm'])}))")  # fmt: skip
             lines.append(f"| {v['micro_batch']} | {v['label']} | {r['seeds']} | "
                          f"{pct(r['best_accuracy'], r['best_accuracy_se'])} | "
                          f"{pct(r['last_accuracy'], r['last_accuracy_se'])} | {delta} | {delta_last} | "

@@ -164,8 +164,8 @@ def stored_record(store: Path | None, cell: Cell, overrides: list[str], optimize
 
 def run_cell(workdir: Path, sweep: str, cell: Cell, overrides: list[str], threads: int,
              optimizer_steps: int | None = None, store: Path | None = None) -> tuple[Cell, dict | None]:  # fmt: skip
-    """Take the cell from ``store``, or run (or resume) it in its own ``verl-sat train`` process; returns its record
-    (``None`` if it failed) and writes it to ``store``."""
+    """Take the cell from ``store``, or run (resume, or extend to more ``optimizer_steps``) it in its own ``verl-sat
+    train`` process; returns its record (``None`` if it failed) and writes it to ``store``."""
     record = stored_record(store, cell, overrides, optimizer_steps)
     if record is not None:
         return cell, record
@@ -185,7 +185,9 @@ def run_cell(workdir: Path, sweep: str, cell: Cell, overrides: list[str], thread
         summary = finished(folder / "summary.json", total_steps)
         if summary is None:
             return cell, None
-    record = make_record(cell, overrides, optimizer_steps, summary, run_files.read_metrics(folder / "metrics.jsonl"))
+    # the summary's steps only: an extension interrupted before its first checkpoint logged steps beyond them
+    metrics = [r for r in run_files.read_metrics(folder / "metrics.jsonl") if r["step"] <= summary["total_steps"]]
+    record = make_record(cell, overrides, optimizer_steps, summary, metrics)
     if store is not None:
         store.mkdir(parents=True, exist_ok=True)
         run_files.write_atomic(store / f"{cell.name}.json", json.dumps(record, indent=1) + "\n")

@@ -17,6 +17,7 @@ comparisons (``docs/images/results/results.json`` and the commands that made it)
 import json
 from pathlib import Path
 
+from verl_sat.embedded.cell_stats import num, p_text
 from verl_sat.recipe_catalog import PAPER_TABLE_1
 from verl_sat.upstream.edit import UpstreamDriftError
 from verl_sat.upstream.sat_patch import key_mapping
@@ -75,14 +76,15 @@ def pr_markdown(repo: Path, patches: list[tuple[Path, list[str]]], subjects: lis
         "",
         "At single-machine scale (a 1.8M-parameter Qwen3-MoE on a synthetic verifiable task, verl's losses, estimators",
         "and scorer, tuned only to the paper's mismatch regime), SAT row minus its base row in test accuracy points,",
-        "two-sided paired t-test over the seeds:",
+        "two-sided paired t-test over the seeds, then Holm-adjusted over every test of the table ('-': no test):",
         "",
-        "| SAT row | base | lag | seeds | best (p) | last (p) | SAT q / radius | intercepted |",
+        "| SAT row | base | lag | seeds | best (p, Holm) | last (p, Holm) | SAT q / radius | intercepted |",
         "|---|---|---|---|---|---|---|---|",
         *(
             f"| {p['recipe']} | {p['base']} | {p['lag_label']} | {len(p['seeds'])} | {100 * p['mean_diff']:+.1f} "
-            f"({p['p_value']:.3f}) | {100 * p['last_mean_diff']:+.1f} ({p['last_p_value']:.3f}) | "
-            f"{p['q_over_radius']:.2f} | {p['intercepted_frac']:.4f} |"
+            f"({p_text(p['p_value'])}, {p_text(p['p_holm'])}) | {100 * p['last_mean_diff']:+.1f} "
+            f"({p_text(p['last_p_value'])}, {p_text(p['last_p_holm'])}) | {num(p['q_over_radius'], 2)} | "
+            f"{num(p['intercepted_frac'])} |"
             for p in results["paired"]
         ),
         "",
