@@ -56,11 +56,15 @@ from verl_sat.cpu.e2e import (
 from verl_sat.upstream import RECIPE_DIR, write_upstream
 from verl_sat.upstream.recipe_names import PACKAGE, RECIPE
 
-# Six trainer steps (each after the first takes 1-2 s here): at 16 sequences per micro-batch SAT-GSPO's gate holds
-# about one sequence (the tokens above alpha 0.9's rank), and it is empty at a step where sequences tied at the top
-# score cover that rank together (identical responses to one prompt score alike); a CI run gated at neither of 2 steps
+# Six trainer steps of 16 prompts x 4 responses, one token-budget micro-batch: SAT-GSPO's sequence score is
+# length-weighted, and its gate is empty where sequences tied at the top score cover alpha 0.9's rank together.
+# Identical responses to one prompt can score alike; at 4 prompts a step (16 sequences, about 1.6 above the rank) a
+# prompt's tied responses can cover it, and a CI run gated at neither of 2 steps; at 16 prompts (64 sequences, about
+# 6.4 above the rank, 2.7k tokens at most: one micro-batch) one prompt's 4 responses cover it only if much longer
+# than the rest
 RUN = E2ERun("separate_async", "recipe-sat_gspo_r3-lag1-fsdp1", ("+recipe=sat_gspo_r3", "+lag=lag1", "r3=fsdp", *FSDP1),
              6, False, (*SAT_METRICS, *R3_METRICS, *REWARD_METRICS))  # fmt: skip
+PROMPTS_PER_STEP = 16  # the lag-1 batch, written out (the preset's resolver is the plugin's): one optimizer step
 LAYER_MODULE = "verl_sat_cpu_layer"  # the module verl imports through VERL_USE_EXTERNAL_MODULES
 RECORDS = "loss_lookups.jsonl"  # what the layer module records, beside the checkout
 RECORDS_ENV = "VERL_SAT_RECIPE_E2E_RECORDS"
@@ -122,7 +126,7 @@ def command(workdir: Path, layer: Path, metrics: Path, checkpoints: Path, env: d
     ``${verl_sat.lag_batch:...}`` resolver is the plugin's) and the run's paths; ``env`` reaches every Ray worker."""
     return [
         sys.executable, "-m", f"{PACKAGE}.main", f"hydra.searchpath=[file://{layer / 'config'}]", *RUN.recipe_args,
-        "+cpu=e2e", "trainer.device=cpu", "data.train_batch_size=4",
+        "+cpu=e2e", "trainer.device=cpu", f"data.train_batch_size={PROMPTS_PER_STEP}",
         f"actor_rollout_ref.model.path={workdir / 'model'}",
         f"data.train_files={workdir / 'data' / 'train.parquet'}", f"data.val_files={workdir / 'data' / 'test.parquet'}",
         f"trainer.total_training_steps={RUN.steps}", f"trainer.default_local_dir={checkpoints}",
