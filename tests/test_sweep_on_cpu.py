@@ -36,7 +36,7 @@ from verl_sat.embedded.report import (
     paired,
     write_report,
 )
-from verl_sat.embedded.sweep import Cell, StoreMismatch, parse_lag, sweep
+from verl_sat.embedded.sweep import Cell, StoreMismatch, parse_lag, start_accuracies, sweep
 
 TINY_RUN = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.val_kwargs.n=1",
             "trainer.total_training_steps=2", "trainer.test_freq=1"]  # fmt: skip
@@ -100,7 +100,9 @@ def test_rerun_reuses_finished_cells(tiny_sweep, monkeypatch):
     before = (out / "results.json").read_text()
     sweep(workdir, ["grpo", "sat_gspo"], [1, "fixed2"], [0], TINY_RUN, name="tiny", jobs=2, progress=False,
           store=workdir / "store")  # fmt: skip
-    assert len(calls) == 1 and "trainer.experiment_name=tiny/grpo-lag1-s0" in calls[0]
+    # the store holds other seed-0 cells: a one-step probe checks this workdir's model first, then the cell resumes
+    assert len(calls) == 2 and "trainer.experiment_name=tiny-probe/grpo-lag1-s0" in calls[0]
+    assert "trainer.experiment_name=tiny/grpo-lag1-s0" in calls[1]
     assert (out / "results.json").read_text() == before  # the cell resumed from its final checkpoint, unchanged
 
 
@@ -173,6 +175,39 @@ def test_longer_optimizer_steps_extend_a_finished_run_as_a_run_of_that_length(ti
     sweep(*args, name="interrupted", progress=False, optimizer_steps=1, store=tiny_workdir / "interrupted")
     interrupted = json.loads((tiny_workdir / "interrupted" / "grpo-lag1-s0.json").read_text())
     assert len(calls) == 3 and interrupted["accuracy"] == short["accuracy"] and interrupted["split"] == short["split"]
+
+
+def test_a_store_refuses_cells_from_another_prepared_model(tiny_workdir, monkeypatch):
+    """A store whose seed-0 cells started from another step-0 accuracy than this workdir's model gives seed 0 was
+    trained by another prepared model (as on a CPU where ``verl-sat prepare`` lands elsewhere): the one-step probe
+    finds it and no cell runs; with the true accuracy the store takes the new cell."""
+    store = tiny_workdir / "model_store"
+    sweep(tiny_workdir, ["grpo"], [1], [0], TINY_RUN, name="model", progress=False, store=store)
+    path = store / "grpo-lag1-s0.json"
+    record_ = json.loads(path.read_text())
+    start = record_["summary"]["initial_accuracy"]
+    record_["summary"]["initial_accuracy"] = start + 0.125
+    path.write_text(json.dumps(record_))
+    calls = []
+    real_run = sweep_module.subprocess.run
+
+    def counting_run(command, **kwargs):
+        calls.append(command)
+        return real_run(command, **kwargs)
+
+    monkeypatch.setattr(sweep_module.subprocess, "run", counting_run)
+    with pytest.raises(StoreMismatch, match=f"starts from step-0 test accuracy {start} here, {start + 0.125} there"):
+        sweep(tiny_workdir, ["grpo", "sat_gspo"], [1], [0], TINY_RUN, name="model", progress=False, store=store)
+    assert len(calls) == 1 and "trainer.experiment_name=model-probe/sat_gspo-lag1-s0" in calls[0]
+    assert "trainer.total_training_steps=1" in calls[0] and not (store / "sat_gspo-lag1-s0.json").exists()
+    (store / "grpo-lag1-s1.json").write_text(json.dumps({**record_, "cell": {**record_["cell"], "seed": 1}}))
+    record_["summary"]["initial_accuracy"] = start
+    path.write_text(json.dumps(record_))
+    sweep(tiny_workdir, ["grpo", "sat_gspo"], [1], [0], TINY_RUN, name="model", progress=False, store=store)
+    assert len(calls) == 2 and (store / "sat_gspo-lag1-s0.json").is_file()  # the probe's run is reused
+    (store / "grpo-lag1-s2.json").write_text(json.dumps({**record_, "cell": {**record_["cell"], "seed": 1}}))
+    with pytest.raises(StoreMismatch, match="holds seed-1 cells from two prepared models"):
+        start_accuracies(store)
 
 
 def record(recipe, lag, seed, best, last, mismatch, regime="paper", **extra):

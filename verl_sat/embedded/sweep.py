@@ -162,6 +162,43 @@ def stored_record(store: Path | None, cell: Cell, overrides: list[str], optimize
     return record
 
 
+def start_accuracies(store: Path | None) -> dict[int, float]:
+    """The step-0 test accuracy per seed of the records in ``store``: every run of one seed from one prepared model
+    starts from it, whatever its recipe and lag. Raises ``StoreMismatch`` where two records of a seed disagree."""
+    accuracies: dict[int, float] = {}
+    for path in sorted(store.glob("*.json")) if store is not None and store.is_dir() else []:
+        record = json.loads(path.read_text())
+        seed, accuracy = record["cell"]["seed"], record["summary"].get("initial_accuracy")
+        if accuracy is not None and accuracies.setdefault(seed, accuracy) != accuracy:
+            raise StoreMismatch(f"{store} holds seed-{seed} cells from two prepared models (step-0 accuracy "
+                                f"{accuracies[seed]} and {accuracy} in {path.name})")  # fmt: skip
+    return accuracies
+
+
+def check_same_model(workdir: Path, sweep: str, store: Path | None, pending: list[Cell], overrides: list[str],
+                     threads: int) -> None:  # fmt: skip
+    """Refuse to add cells to a store whose cells another prepared model trained. ``verl-sat prepare`` is
+    deterministic on one machine, but floating-point differences between CPUs can make its warm start end elsewhere,
+    so a fresh machine's workdir may hold another model: a probe (the first pending cell of a seed the store holds, at
+    lag 1 for one optimizer step, in the sweep ``<sweep>-probe``) must start from the store's step-0 accuracy."""
+    known = start_accuracies(store)
+    first = next((cell for cell in pending if cell.seed in known), None)
+    if first is None:
+        return
+    probe = Cell(first.recipe, 1, first.seed)
+    _, record = run_cell(workdir, f"{sweep}-probe", probe, [*overrides, "trainer.total_training_steps=1"], threads)
+    if record is None:
+        raise RuntimeError(f"the prepared-model probe failed: see {workdir / 'sweeps' / (sweep + '-probe') / 'logs'}")
+    accuracy = record["summary"]["initial_accuracy"]
+    if accuracy != known[first.seed]:
+        raise StoreMismatch(
+            f"{workdir}'s prepared model is not the one that trained the cells in {store}: seed {first.seed} starts "
+            f"from step-0 test accuracy {accuracy} here, {known[first.seed]} there (prepare.json: "
+            f"{workdir / 'prepare.json'}). Run the sweep where `verl-sat prepare` reproduces that model, or use "
+            "another --store"
+        )
+
+
 def run_cell(workdir: Path, sweep: str, cell: Cell, overrides: list[str], threads: int,
              optimizer_steps: int | None = None, store: Path | None = None) -> tuple[Cell, dict | None]:  # fmt: skip
     """Take the cell from ``store``, or run (resume, or extend to more ``optimizer_steps``) it in its own ``verl-sat
@@ -210,6 +247,8 @@ def sweep(workdir: str | Path, recipes: list[str], lags: list[int | str], seeds:
         if stored_record(store, cell, overrides, optimizer_steps) is None and optimizer_steps is not None:
             finished(run_dir(workdir, name, cell) / "summary.json", cell.trainer_steps(optimizer_steps))
     threads = max(1, (os.cpu_count() or 1) // jobs)
+    pending = [cell for cell in cells if stored_record(store, cell, overrides, optimizer_steps) is None]
+    check_same_model(workdir, name, store, pending, overrides, os.cpu_count() or 1)
     failed, records = [], []
     with ThreadPoolExecutor(max_workers=jobs) as pool, tqdm(total=len(cells), desc=f"sweep {name}", unit="cell",
                                                             disable=not progress) as bar:  # fmt: skip
