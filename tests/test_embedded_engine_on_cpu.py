@@ -391,10 +391,13 @@ def test_every_table1_row_trains(tiny_workdir, recipe):
 def test_token_row_gates_where_the_papers_sequence_scores_cannot(tiny_workdir):
     """Two sequences per micro-batch (``ppo_micro_batch_size_per_gpu=2``): the paper's SAT-GSPO row is structurally
     empty in every micro-batch and trains exactly as GSPO, while the per-token rows gate, and the carried quantile
-    gates once its ring holds enough sequences (and the attribution's gate is the loss's)."""
+    can act once its ring holds enough sequences and gates within four steps (and the attribution's gate is the
+    loss's). The carried row runs four steps: its gate compares a step's scores with the earlier steps' it carries,
+    and at a step whose samples are no staler than those (step 2, where step 1 changed the weights little on one
+    machine: mismatch 0.0004 against 0.0010) it can gate nothing; it gated at step 3 there."""
     micro = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"
     runs = {recipe: run(tiny_workdir, f"+recipe={recipe}", *PAPER_LAG[1], micro,
-                        f"trainer.experiment_name=micro2-{recipe}", steps=2)[1:]
+                        f"trainer.experiment_name=micro2-{recipe}", steps=4 if recipe == "sat_gspo_carried" else 2)[1:]
             for recipe in ("gspo", "sat_gspo", "sat_gspo_token", "sat_gspo_ratio_side",
                            "sat_gspo_carried")}  # fmt: skip
     paper = runs["sat_gspo"][1]
@@ -407,7 +410,8 @@ def test_token_row_gates_where_the_papers_sequence_scores_cannot(tiny_workdir):
         assert all(r["actor/sat_structurally_empty_frac"] == 0.0 for r in token if "actor/sat_gate_rate" in r)
         assert any(r["actor/sat_gate_rate"] > 0 for r in token if "actor/sat_gate_rate" in r)
     carried = [r for r in runs["sat_gspo_carried"][1] if "actor/sat_gate_rate" in r]
-    assert carried[-1]["actor/sat_structurally_empty_frac"] == 0.0 and carried[-1]["actor/sat_gate_rate"] > 0
+    assert all(r["actor/sat_structurally_empty_frac"] == 0.0 for r in carried[1:])
+    assert any(r["actor/sat_gate_rate"] > 0 for r in carried)
     gspo_summary, sat_summary = runs["gspo"][0], runs["sat_gspo"][0]
     assert sat_summary["last_epoch_mismatch"] == pytest.approx(gspo_summary["last_epoch_mismatch"], rel=1e-5)
 
