@@ -85,16 +85,22 @@ def test_tiny_sweep_writes_table_and_plots(tiny_sweep):
     assert [r.get("rollout/version_gap") for r in lag1] == [None, 0, 1] and "actor/sat_gate_rate" in lag1[-1]
 
 
-def test_rerun_reuses_finished_cells(tiny_sweep, monkeypatch):
-    workdir, out = tiny_sweep
-    calls = []
+@pytest.fixture
+def calls(monkeypatch):
+    """The commands the sweep runs as ``verl-sat train`` processes, in order (each still runs)."""
+    commands = []
     real_run = sweep_module.subprocess.run
 
     def counting_run(command, **kwargs):
-        calls.append(command)
+        commands.append(command)
         return real_run(command, **kwargs)
 
     monkeypatch.setattr(sweep_module.subprocess, "run", counting_run)
+    return commands
+
+
+def test_rerun_reuses_finished_cells(tiny_sweep, calls):
+    workdir, out = tiny_sweep
     (workdir / "runs" / "tiny" / "grpo-lag1-s0" / "summary.json").unlink()  # as if interrupted before the end
     (workdir / "store" / "grpo-lag1-s0.json").unlink()
     before = (out / "results.json").read_text()
@@ -131,19 +137,11 @@ def test_store_carries_cells_to_another_sweep(tiny_sweep, monkeypatch):
     assert json.loads((workdir / "report" / "results.json").read_text())["rows"] == rows
 
 
-def test_longer_optimizer_steps_extend_a_finished_run_as_a_run_of_that_length(tiny_workdir, monkeypatch):
+def test_longer_optimizer_steps_extend_a_finished_run_as_a_run_of_that_length(tiny_workdir, calls):
     """A sweep asking for more ``--optimizer-steps`` than a finished run holds extends that run from its final
     checkpoint (one process), and the longer cell equals the same cell run from scratch at that length; asking the
     extended folder for the shorter run again is refused before anything runs."""
     overrides = [o for o in TINY_RUN if not o.startswith("trainer.total_training_steps")]
-    calls = []
-    real_run = sweep_module.subprocess.run
-
-    def counting_run(command, **kwargs):
-        calls.append(command)
-        return real_run(command, **kwargs)
-
-    monkeypatch.setattr(sweep_module.subprocess, "run", counting_run)
     args = (tiny_workdir, ["grpo"], [1], [0], overrides)
     sweep(*args, name="extend", progress=False, optimizer_steps=1, store=tiny_workdir / "short")
     sweep(*args, name="extend", progress=False, optimizer_steps=2, store=tiny_workdir / "long")
@@ -177,25 +175,18 @@ def test_longer_optimizer_steps_extend_a_finished_run_as_a_run_of_that_length(ti
     assert len(calls) == 3 and interrupted["accuracy"] == short["accuracy"] and interrupted["split"] == short["split"]
 
 
-def test_a_store_refuses_cells_from_another_prepared_model(tiny_workdir, monkeypatch):
+def test_a_store_refuses_cells_from_another_prepared_model(tiny_workdir, calls):
     """A store whose seed-0 cells started from another step-0 accuracy than this workdir's model gives seed 0 was
     trained by another prepared model (as on a CPU where ``verl-sat prepare`` lands elsewhere): the one-step probe
     finds it and no cell runs; with the true accuracy the store takes the new cell."""
     store = tiny_workdir / "model_store"
     sweep(tiny_workdir, ["grpo"], [1], [0], TINY_RUN, name="model", progress=False, store=store)
+    del calls[:]
     path = store / "grpo-lag1-s0.json"
     record_ = json.loads(path.read_text())
     start = record_["summary"]["initial_accuracy"]
     record_["summary"]["initial_accuracy"] = start + 0.125
     path.write_text(json.dumps(record_))
-    calls = []
-    real_run = sweep_module.subprocess.run
-
-    def counting_run(command, **kwargs):
-        calls.append(command)
-        return real_run(command, **kwargs)
-
-    monkeypatch.setattr(sweep_module.subprocess, "run", counting_run)
     with pytest.raises(StoreMismatch, match=f"starts from step-0 test accuracy {start} here, {start + 0.125} there"):
         sweep(tiny_workdir, ["grpo", "sat_gspo"], [1], [0], TINY_RUN, name="model", progress=False, store=store)
     assert len(calls) == 1 and "trainer.experiment_name=model-probe/sat_gspo-lag1-s0" in calls[0]
