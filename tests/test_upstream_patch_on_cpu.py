@@ -110,7 +110,8 @@ def test_series_has_four_patches_and_a_pr_text(series):
         assert f"| `{plugin_key}` | `{verl_key}` |" in pr
     assert "| SAT-GSPO w/ R3 | 35.83 | 34.79 |" in pr  # the paper's Table 1
     assert "verl-sat sweep --workdir W --name table1" in pr  # the command behind our numbers
-    assert re.search(r"\| sat_gspo \| gspo \| lag8 \| 3 \| [+-]\d+\.\d \(0\.\d{3}\)", pr)
+    # the paired row with its p-value and its Holm-adjusted p
+    assert re.search(r"\| sat_gspo \| gspo \| lag8 \| 3 \| [+-]\d+\.\d \(0\.\d{3}, [01]\.\d{3}\)", pr)
 
 
 def test_patched_verl_passes_sat_r3_and_verls_tests_without_the_plugin(series, patched_report, tmp_path):
