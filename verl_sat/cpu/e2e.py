@@ -97,9 +97,9 @@ class E2ERun:
 COLOCATE_ASYNC = ("trainer.v1.trainer_mode=colocate_async", "actor_rollout_ref.hybrid_engine=true",
                   "actor_rollout_ref.rollout.checkpoint_engine.backend=naive", "trainer.n_gpus_per_node=2",
                   "data.train_batch_size=8")  # fmt: skip
-# verl's fully-async trainer on the CPU: 4 prompts per optimizer step, its rollouter on one slot, 24 prompts in all
-# (the run ends when its rollouter has consumed them), and the logical CPUs its Ray actors reserve (23, plus 3 per
-# training and 2 per rollout slot)
+# verl's fully-async trainer on the CPU: 4 prompts per optimizer step, its rollouter on one slot, 4 prompts per
+# logged step and one step more in all (the run ends when its rollouter has consumed them), and the logical CPUs its
+# Ray actors reserve (23, plus 3 per training and 2 per rollout slot)
 FULLY_ASYNC = ("--config-name", "fully_async_ppo_trainer", "data.train_batch_size=0",
                "actor_rollout_ref.actor.ppo_mini_batch_size=4", "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
                "ray_kwargs.ray_init.num_cpus=32")  # fmt: skip
@@ -113,6 +113,9 @@ VERL_DEFAULT_PRECISION = ("actor_rollout_ref.actor.fsdp_config.mixed_precision=n
 FLOAT32_VLLM = ("actor_rollout_ref.rollout.dtype=float32",)
 # mean |log-prob difference|: measured 4-6e-7 per step; a float32 rollout one weight version behind (lag 1) is at 5.7e-4
 SYNCED_MISMATCH_MAX = 1e-4
+# The SAT runs train 3-4 steps: at 16 sequences a micro-batch SAT-GSPO's length-weighted gate is empty at a step
+# where one prompt's identical responses tie at the top score and cover alpha 0.9's rank (the fully-async run's first
+# step on 2026-12-07); check_sat_acted asks for a gate at one step
 RUNS = (
     E2ERun("separate_async", "sat_gspo_r3-lag1-fsdp1-bf16",
            ("+recipe=sat_gspo_r3", "+lag=lag1", "r3=fsdp", *FSDP1, *VERL_DEFAULT_PRECISION), 2, True,
@@ -123,8 +126,8 @@ RUNS = (
     E2ERun("separate_async", "grpo-lag8", ("+recipe=grpo", "+lag=lag8"), 2, False,
            (*STALENESS_METRICS, *REWARD_METRICS, *MISMATCH_METRICS)),
     E2ERun("colocate_async", "sat_gspo_r3-lag1", ("+recipe=sat_gspo_r3", "+lag=lag1", "r3=fsdp", *COLOCATE_ASYNC),
-           2, False, (*SAT_METRICS, *R3_METRICS, *STALENESS_METRICS, *REWARD_METRICS, *MISMATCH_METRICS)),
-    E2ERun("fully_async", "sat_gspo_r3-lag1", (*FULLY_ASYNC, "+recipe=sat_gspo_r3", "+lag=lag1", "r3=fsdp"), 2, False,
+           4, False, (*SAT_METRICS, *R3_METRICS, *STALENESS_METRICS, *REWARD_METRICS, *MISMATCH_METRICS)),
+    E2ERun("fully_async", "sat_gspo_r3-lag1", (*FULLY_ASYNC, "+recipe=sat_gspo_r3", "+lag=lag1", "r3=fsdp"), 4, False,
            (*SAT_METRICS, *R3_METRICS, *FULLY_ASYNC_STALENESS_METRICS, *REWARD_METRICS, *MISMATCH_METRICS)),
 )  # fmt: skip
 FULLY_ASYNC_PROMPTS_PER_STEP = 4  # actor.ppo_mini_batch_size above
