@@ -184,3 +184,11 @@ def holm(p_values: list[float | None]) -> list[float | None]:
         running = max(running, min(1.0, (m - rank) * p))
         adjusted[i] = running
     return adjusted
+
+
+def holm_best_and_last(entries: list[dict]) -> None:
+    """Set ``p_holm`` and ``last_p_holm`` of ``paired_differences`` entries: Holm over their best and last tests
+    together."""
+    adjusted = holm([e["p_value"] for e in entries] + [e["last_p_value"] for e in entries])
+    for entry, best, last in zip(entries, adjusted[: len(entries)], adjusted[len(entries) :], strict=True):
+        entry["p_holm"], entry["last_p_holm"] = best, last

@@ -25,7 +25,16 @@ remedy row and ``gspo`` at the same lag and settings.
 from pathlib import Path
 
 from verl_sat.embedded import cell_stats
-from verl_sat.embedded.cell_stats import aggregate, holm, lag_label, num, p_text, paired_differences, pct, select
+from verl_sat.embedded.cell_stats import (
+    aggregate,
+    holm_best_and_last,
+    lag_label,
+    num,
+    p_text,
+    paired_differences,
+    pct,
+    select,
+)
 from verl_sat.recipe_catalog import REMEDY_ROWS
 
 BASE, SAT = "gspo", "sat_gspo"  # every remedy row is gspo plus one remedy; sat_gspo is SAT's row on the same base
@@ -67,10 +76,7 @@ def remedy_view(records: list[dict]) -> list[dict]:
         view += [{"row": rows[(name, label, settings)], "vs_base": pair(name, BASE, label, settings),
                   "sat_vs": pair(SAT, name, label, settings)}
                  for name in names if (name, label, settings) in rows]  # fmt: skip
-    done = [test for test in tests.values() if test is not None]
-    adjusted = holm([t["p_value"] for t in done] + [t["last_p_value"] for t in done])
-    for test, best, last in zip(done, adjusted[: len(done)], adjusted[len(done) :], strict=True):
-        test["p_holm"], test["last_p_holm"] = best, last
+    holm_best_and_last([test for test in tests.values() if test is not None])
     return view
 
 

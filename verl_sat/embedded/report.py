@@ -38,7 +38,7 @@ from verl_sat.embedded import frontier, remedy_view, run_files
 from verl_sat.embedded.cell_stats import (
     aggregate,
     groups,
-    holm,
+    holm_best_and_last,
     lag_label,
     mean_or_none,
     num,
@@ -82,9 +82,7 @@ def paired(records: list[dict]) -> list[dict]:
         entry["q_over_radius"] = mean_or_none([sat.get("last_q_over_radius") for sat, _ in pairs])
         entry["intercepted_frac"] = mean_or_none([sat.get("last_intercepted_frac") for sat, _ in pairs])
         entries.append(entry)
-    adjusted = holm([e["p_value"] for e in entries] + [e["last_p_value"] for e in entries])
-    for entry, best, last in zip(entries, adjusted[: len(entries)], adjusted[len(entries) :], strict=True):
-        entry["p_holm"], entry["last_p_holm"] = best, last
+    holm_best_and_last(entries)
     return entries
 
 

@@ -136,7 +136,12 @@ def save_checkpoint(folder: Path, step: int, state: dict, keep: int) -> Path:
 
 def checkpoints(folder: Path) -> list[Path]:
     """Finished checkpoints, oldest first."""
-    return sorted(folder.glob("global_step_*.pt"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
+    return sorted(folder.glob("global_step_*.pt"), key=checkpoint_step)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The trainer step of a checkpoint ``global_step_{step}.pt``."""
+    return int(path.stem.rsplit("_", 1)[1])
 
 
 def summarize(records: list[dict], total_steps: int, radius: float | None = None) -> dict:

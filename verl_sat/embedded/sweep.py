@@ -121,7 +121,7 @@ def finished(summary_path: Path, total_steps: int | None = None) -> dict | None:
         return None
     summary = json.loads(summary_path.read_text())
     saved = run_files.checkpoints(summary_path.parent / "checkpoints")
-    ran = max(summary["total_steps"], int(saved[-1].stem.rsplit("_", 1)[1]) if saved else 0)
+    ran = max(summary["total_steps"], run_files.checkpoint_step(saved[-1]) if saved else 0)
     if total_steps is not None and ran > total_steps:
         raise StoreMismatch(f"{summary_path.parent} ran {ran} trainer steps, more than the {total_steps} asked for: "
                             f"choose another sweep --name")  # fmt: skip
@@ -243,11 +243,11 @@ def sweep(workdir: str | Path, recipes: list[str], lags: list[int | str], seeds:
     lag_specs = [parse_lag(str(lag)) for lag in lags]
     # seed by seed: early seeds finish first
     cells = [Cell(r, lag, s, regime) for s in seeds for r in recipes for lag, regime in lag_specs]
-    for cell in cells:  # refuse a store made with other overrides, or a run extended beyond, before anything runs
-        if stored_record(store, cell, overrides, optimizer_steps) is None and optimizer_steps is not None:
-            finished(run_dir(workdir, name, cell) / "summary.json", cell.trainer_steps(optimizer_steps))
-    threads = max(1, (os.cpu_count() or 1) // jobs)
+    # refuse a store made with other overrides, or a run extended beyond, before anything runs
     pending = [cell for cell in cells if stored_record(store, cell, overrides, optimizer_steps) is None]
+    for cell in pending if optimizer_steps is not None else []:
+        finished(run_dir(workdir, name, cell) / "summary.json", cell.trainer_steps(optimizer_steps))
+    threads = max(1, (os.cpu_count() or 1) // jobs)
     check_same_model(workdir, name, store, pending, overrides, os.cpu_count() or 1)
     failed, records = [], []
     with ThreadPoolExecutor(max_workers=jobs) as pool, tqdm(total=len(cells), desc=f"sweep {name}", unit="cell",
