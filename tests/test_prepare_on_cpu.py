@@ -26,7 +26,15 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.utils.reward_score import default_compute_score
 
 from verl_sat import cli
-from verl_sat.embedded.prepare import MANIFEST, SPECS, PrepareSpec, WorkdirError, check_prepared, prepare
+from verl_sat.embedded.prepare import (
+    MANIFEST,
+    SPECS,
+    PrepareSpec,
+    WorkdirError,
+    check_prepared,
+    prepare,
+    weights_sha256,
+)
 from verl_sat.embedded.task import SPLITS, make_problems, to_verl_rows
 from verl_sat.embedded.tokenizer import build_char_tokenizer
 from verl_sat.embedded.warm_start import BandMissed
@@ -131,32 +139,51 @@ def test_warm_start_lands_in_its_band_and_records_it(workdir):
         check_prepared(workdir, band=(0.3, 0.45))
 
 
+def test_portable_floating_point_builds_one_model_whatever_the_cpus_kernels(workdir, tmp_path, monkeypatch):
+    """``prepare`` runs in a child process under ``PORTABLE_FLOATING_POINT``: MKL dispatching as on a CPU with AVX2
+    only builds the bit-identical data, model (``model_sha256``, the weights' hash) and manifest. The same prepare in
+    this process with this CPU's fastest ATen kernels builds another model: the check can see a kernel's
+    difference."""
+    manifest = json.loads((workdir / MANIFEST).read_text())
+    assert manifest["floating_point"] == "portable" and manifest["cpu_capability"] == "DEFAULT"
+    first = AutoModelForCausalLM.from_pretrained(workdir / "model").state_dict()
+    assert weights_sha256(AutoModelForCausalLM.from_pretrained(workdir / "model")) == manifest["model_sha256"]
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    assert prepare(tmp_path / "avx2", seed=0, spec=TINY_PREPARE, band=TINY_BAND, progress=False) == manifest
+    assert json.loads((tmp_path / "avx2" / MANIFEST).read_text()) == manifest
+    for split in SPLITS:
+        same = pd.read_parquet(tmp_path / "avx2" / "data" / f"{split}.parquet")
+        assert same.to_json() == pd.read_parquet(workdir / "data" / f"{split}.parquet").to_json()
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "avx2" / "model").state_dict()
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS")
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("this CPU's fastest ATen kernels are the portable ones")
+    native = prepare(tmp_path / "native", seed=0, spec=TINY_PREPARE, band=TINY_BAND, progress=False, portable=False)
+    assert native["floating_point"] == "native" and native["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert native["model_sha256"] != manifest["model_sha256"]
+
+
 def test_unreachable_band_fails_clearly_and_writes_nothing(tmp_path, capsys, monkeypatch):
     spec = PrepareSpec(**{**TINY_PREPARE.__dict__, "warm_start_max_steps": 40})
     with pytest.raises(BandMissed, match=r"stopped at its 40 steps with greedy validation accuracy .*below the band"):
-        prepare(tmp_path / "w", seed=0, spec=spec, band=(0.95, 1.0), progress=False)
+        prepare(tmp_path / "w", seed=0, spec=spec, band=(0.95, 1.0), progress=False, portable=False)
     assert not (tmp_path / "w" / MANIFEST).exists() and not (tmp_path / "w" / ".prepare-tmp").exists()
-    # the CLI passes the task's spec: the test's small one stands in for it
+    # the CLI passes the task's spec: the test's small one stands in for it; the portable child process's miss is
+    # raised here
     small = spec
     monkeypatch.setattr(
         "verl_sat.embedded.prepare.prepare",
         lambda workdir, seed, spec, band: prepare(workdir, seed, spec=small, band=band, progress=False),
     )
     assert cli.main(["prepare", "--workdir", str(tmp_path / "w"), "--band", "0.95,1.0"]) == 1
-    assert "the warm start missed its band" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the warm start missed its band: the warm start stopped at its 40 steps" in err
     with pytest.raises(SystemExit):
         cli.main(["prepare", "--band", "0.6,0.2"])
 
 
-def test_determinism(workdir, tmp_path):
-    prepare(tmp_path / "again", seed=0, spec=TINY_PREPARE, band=TINY_BAND, progress=False)
-    for split in SPLITS:
-        same = pd.read_parquet(tmp_path / "again" / "data" / f"{split}.parquet")
-        assert same.to_json() == pd.read_parquet(workdir / "data" / f"{split}.parquet").to_json()
-    first = AutoModelForCausalLM.from_pretrained(workdir / "model").state_dict()
-    again = AutoModelForCausalLM.from_pretrained(tmp_path / "again" / "model").state_dict()
-    assert all(torch.equal(first[k], again[k]) for k in first)
-    assert json.loads((tmp_path / "again" / MANIFEST).read_text()) == json.loads((workdir / MANIFEST).read_text())
+def test_another_seed_draws_other_problems():
     other = make_problems(1, 9, 2, {"train": 60, "val": 20, "test": 20})["test"]
     assert [p.terms for p in other] != [p.terms for p in make_problems(0, 9, 2, {"train": 60, "val": 20,
                                                                                "test": 20})["test"]]  # fmt: skip

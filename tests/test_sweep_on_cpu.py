@@ -106,9 +106,8 @@ def test_rerun_reuses_finished_cells(tiny_sweep, calls):
     before = (out / "results.json").read_text()
     sweep(workdir, ["grpo", "sat_gspo"], [1, "fixed2"], [0], TINY_RUN, name="tiny", jobs=2, progress=False,
           store=workdir / "store")  # fmt: skip
-    # the store holds other seed-0 cells: a one-step probe checks this workdir's model first, then the cell resumes
-    assert len(calls) == 2 and "trainer.experiment_name=tiny-probe/grpo-lag1-s0" in calls[0]
-    assert "trainer.experiment_name=tiny/grpo-lag1-s0" in calls[1]
+    # the store's other cells name this workdir's model (no probe): the cell resumes
+    assert len(calls) == 1 and "trainer.experiment_name=tiny/grpo-lag1-s0" in calls[0]
     assert (out / "results.json").read_text() == before  # the cell resumed from its final checkpoint, unchanged
 
 
@@ -176,14 +175,24 @@ def test_longer_optimizer_steps_extend_a_finished_run_as_a_run_of_that_length(ti
 
 
 def test_a_store_refuses_cells_from_another_prepared_model(tiny_workdir, calls):
-    """A store whose seed-0 cells started from another step-0 accuracy than this workdir's model gives seed 0 was
-    trained by another prepared model (as on a CPU where ``verl-sat prepare`` lands elsewhere): the one-step probe
-    finds it and no cell runs; with the true accuracy the store takes the new cell."""
+    """A record names the prepared model that trained it (``prepare.json``'s ``model_sha256``): a store holding
+    another model's cells is refused before anything runs. A record from before that field is checked by a one-step
+    probe: a seed-0 record with another step-0 accuracy than this workdir's model gives seed 0 (as on a CPU where a
+    native-floating-point prepare landed elsewhere) is refused; with the true accuracy the store takes the new
+    cell."""
     store = tiny_workdir / "model_store"
     sweep(tiny_workdir, ["grpo"], [1], [0], TINY_RUN, name="model", progress=False, store=store)
     del calls[:]
     path = store / "grpo-lag1-s0.json"
     record_ = json.loads(path.read_text())
+    model = json.loads((tiny_workdir / "prepare.json").read_text())["model_sha256"]
+    assert record_["model_sha256"] == model and len(model) == 64
+    path.write_text(json.dumps({**record_, "model_sha256": "f" * 64}))
+    with pytest.raises(StoreMismatch, match=f"model_sha256 {model[:16]}.* is not the one .*\\(ffffffffffffffff\\)"):
+        sweep(tiny_workdir, ["grpo", "sat_gspo"], [1], [0], TINY_RUN, name="model", progress=False, store=store)
+    assert calls == [] and not (store / "sat_gspo-lag1-s0.json").exists()
+    # a record without model_sha256 (made before it): the probe
+    del record_["model_sha256"]
     start = record_["summary"]["initial_accuracy"]
     record_["summary"]["initial_accuracy"] = start + 0.125
     path.write_text(json.dumps(record_))
@@ -196,9 +205,12 @@ def test_a_store_refuses_cells_from_another_prepared_model(tiny_workdir, calls):
     path.write_text(json.dumps(record_))
     sweep(tiny_workdir, ["grpo", "sat_gspo"], [1], [0], TINY_RUN, name="model", progress=False, store=store)
     assert len(calls) == 2 and (store / "sat_gspo-lag1-s0.json").is_file()  # the probe's run is reused
-    (store / "grpo-lag1-s2.json").write_text(json.dumps({**record_, "cell": {**record_["cell"], "seed": 1}}))
+    assert json.loads((store / "sat_gspo-lag1-s0.json").read_text())["model_sha256"] == model
+    legacy = {"a.json": record_, "b.json": {**record_, "cell": {**record_["cell"], "seed": 1}}}
     with pytest.raises(StoreMismatch, match="holds seed-1 cells from two prepared models"):
-        start_accuracies(store)
+        start_accuracies(
+            store, {**legacy, "c.json": {**legacy["b.json"], "summary": {"initial_accuracy": start + 0.125}}}
+        )
 
 
 def record(recipe, lag, seed, best, last, mismatch, regime="paper", **extra):

@@ -131,7 +131,8 @@ def _prepare(args: argparse.Namespace) -> int:
         f"prepared {args.workdir} ({m['task']}): {m['num_parameters']:,}-parameter MoE policy, "
         f"{m['num_train']:,} train / {m['num_val']} val / {m['num_test']} test problems; warm start "
         f"{m['warm_start_steps']} steps to greedy validation accuracy {m['val_accuracy']:.1%} "
-        f"(band {low:.0%}-{high:.0%}), test {m['test_accuracy_before_warm_start']:.1%} -> {m['test_accuracy']:.1%}"
+        f"(band {low:.0%}-{high:.0%}), test {m['test_accuracy_before_warm_start']:.1%} -> {m['test_accuracy']:.1%}; "
+        f"model sha256 {m['model_sha256'][:16]} ({m['floating_point']} floating point)"
     )
     return 0
 

@@ -23,10 +23,19 @@ Two tasks (``--task``, ``SPECS``): ``addition``, answered in a few tokens, and `
 The warm start stops when greedy accuracy on the validation split lands in the target band (``--band``), so RL
 starts with headroom on any machine. The folder is built under ``DIR/.prepare-tmp`` and renamed into place at the
 end, so an interrupted run leaves nothing half-written.
+
+By default prepare runs in a child process under ``PORTABLE_FLOATING_POINT``, so that every x86-64 CPU builds the same
+model (``prepare.json``'s ``model_sha256``): with each CPU's fastest kernels, last-bit differences grow through the
+warm start's sudden rise into where it lands.
 """
 
+import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,11 +45,23 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from verl_sat.embedded.task import SPLITS, TASKS, make_problems, to_verl_rows
 from verl_sat.embedded.tokenizer import build_char_tokenizer
-from verl_sat.embedded.warm_start import greedy_accuracy, prompt_set, warm_start
+from verl_sat.embedded.warm_start import BandMissed, greedy_accuracy, prompt_set, warm_start
 
 MANIFEST = "prepare.json"
-FORMAT = 2  # bump when the files change meaning; `verl-sat train` refuses a workdir of another format
+FORMAT = 3  # bump when the files change meaning; `verl-sat train` refuses a workdir of another format
 DEFAULT_BAND = (0.30, 0.45)  # greedy validation accuracy after the warm start: headroom for RL
+
+# One code path on every x86-64 CPU, read when a process starts. Measured with each library's fastest kernels on one
+# machine: the warm start landed after 1,575 steps with AVX-512, 1,200 with AVX2 (ATen and MKL), and 800 on the machine
+# that trained docs/results.md's cells.
+PORTABLE_FLOATING_POINT = {
+    "ATEN_CPU_CAPABILITY": "default",  # ATen's kernels without CPU-specific vector code (AVX2, AVX-512)
+    "MKL_CBWR": "COMPATIBLE",  # MKL's conditional numerical reproducibility: its baseline code path on every CPU
+    "ONEDNN_MAX_CPU_ISA": "SSE41",  # oneDNN's kernels at the x86-64 baseline
+    "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2,-FMA,-AVX512F",  # glibc's libm without its FMA and AVX variants
+    "OMP_NUM_THREADS": "2",  # a parallel reduction splits by the thread count: the same count everywhere
+    "MKL_NUM_THREADS": "2",
+}
 
 
 class WorkdirError(RuntimeError):
@@ -112,6 +133,20 @@ SPECS = {
 }  # fmt: skip
 
 
+def floating_point() -> str:
+    """``"portable"`` when this process started under ``PORTABLE_FLOATING_POINT``, else ``"native"``."""
+    return "portable" if all(os.environ.get(k) == v for k, v in PORTABLE_FLOATING_POINT.items()) else "native"
+
+
+def weights_sha256(model: torch.nn.Module) -> str:
+    """SHA-256 of the model's weights: every state-dict entry's name, dtype, shape and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def build_policy(vocab_size: int, pad_id: int, eos_id: int, spec: PrepareSpec) -> Qwen3MoeForCausalLM:
     config = Qwen3MoeConfig(
         vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=2 * spec.hidden_size,
@@ -130,12 +165,17 @@ def prepare(
     spec: PrepareSpec = PrepareSpec(),
     band: tuple[float, float] = DEFAULT_BAND,
     progress: bool = True,
+    portable: bool = True,
 ) -> dict:
     """Build tokenizer, policy, data and warm start into ``workdir``; return the manifest. Raises
-    ``warm_start.BandMissed`` (and writes nothing) if the warm start cannot land in ``band``."""
+    ``warm_start.BandMissed`` (and writes nothing) if the warm start cannot land in ``band``. ``portable``: in a
+    child process under ``PORTABLE_FLOATING_POINT`` (the same model on every x86-64 CPU), unless this process runs
+    under it already; else with this CPU's fastest kernels."""
     low, high = band
     if not 0.0 <= low <= high <= 1.0:
         raise ValueError(f"--band {low},{high}: expected 0 <= low <= high <= 1")
+    if portable and floating_point() != "portable":
+        return _prepare_in_portable_process(workdir, seed, spec, band, progress)
     workdir = Path(workdir)
     tmp = workdir / ".prepare-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -167,6 +207,9 @@ def prepare(
         "band": [low, high],
         **{f"num_{split}": len(rows) for split, rows in problems.items()},
         "num_parameters": sum(p.numel() for p in model.parameters()),
+        "model_sha256": weights_sha256(model),
+        "floating_point": floating_point(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # ATen's kernels: DEFAULT when portable
         "warm_start_steps": result.steps,
         "warm_start_loss_first_last": [result.losses[0], result.losses[-1]] if result.losses else [],
         "warm_start_evaluations": [list(e) for e in result.evaluations],
@@ -184,3 +227,38 @@ def prepare(
         (tmp / name).rename(target)
     tmp.rmdir()
     return manifest
+
+
+def _prepare_in_portable_process(workdir: str | Path, seed: int, spec: PrepareSpec, band: tuple[float, float],
+                                 progress: bool) -> dict:  # fmt: skip
+    """``prepare`` in ``python -m verl_sat.embedded.prepare`` under ``PORTABLE_FLOATING_POINT``; its progress bar
+    shows here, and a missed band is raised here as ``BandMissed``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        request = {"workdir": str(workdir), "seed": seed, "spec": asdict(spec), "band": list(band),
+                   "progress": progress, "result": str(result)}  # fmt: skip
+        command = [sys.executable, "-m", "verl_sat.embedded.prepare", json.dumps(request)]
+        done = subprocess.run(command, env={**os.environ, **PORTABLE_FLOATING_POINT}, check=False)
+        outcome = json.loads(result.read_text()) if result.is_file() else {}
+    if "band_missed" in outcome:
+        raise BandMissed(outcome["band_missed"])
+    if done.returncode != 0 or "manifest" not in outcome:
+        raise RuntimeError(f"verl-sat prepare's portable process failed (exit status {done.returncode}); its output "
+                           "is above")  # fmt: skip
+    return outcome["manifest"]
+
+
+def _main(request: dict) -> int:
+    """The portable process: prepare, then the manifest or the missed band into ``request["result"]``."""
+    try:
+        manifest = prepare(request["workdir"], request["seed"], PrepareSpec(**request["spec"]),
+                           tuple(request["band"]), request["progress"])  # fmt: skip
+    except BandMissed as err:
+        Path(request["result"]).write_text(json.dumps({"band_missed": str(err)}))
+        return 1
+    Path(request["result"]).write_text(json.dumps({"manifest": manifest}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(json.loads(sys.argv[1])))

@@ -33,6 +33,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from verl_sat.embedded import cell_stats, report, run_files
+from verl_sat.embedded.prepare import check_prepared
 
 RECORD_FORMAT = 1
 CURVE_POINTS = 50  # points kept per cell for the mismatch split curves of the record
@@ -130,10 +131,11 @@ def finished(summary_path: Path, total_steps: int | None = None) -> dict | None:
     return summary if summary["steps_done"] >= summary["total_steps"] else None
 
 
-def make_record(cell: Cell, overrides: list[str], optimizer_steps: int | None, summary: dict,
-                records: list[dict]) -> dict:  # fmt: skip
-    """A finished cell's record: the cell, the sweep's overrides and ``--optimizer-steps``, its summary, its accuracy
-    curve and its mismatch split (``CURVE_POINTS`` points)."""
+def make_record(cell: Cell, overrides: list[str], optimizer_steps: int | None, summary: dict, records: list[dict],
+                model: str) -> dict:  # fmt: skip
+    """A finished cell's record: the cell, the sweep's overrides and ``--optimizer-steps``, the prepared model
+    (``prepare.json``'s ``model_sha256``), its summary, its accuracy curve and its mismatch split (``CURVE_POINTS``
+    points)."""
     split = [r for r in records if run_files.MISMATCH in r]
     stride = max(1, math.ceil(len(split) / CURVE_POINTS))
     return {
@@ -141,6 +143,7 @@ def make_record(cell: Cell, overrides: list[str], optimizer_steps: int | None, s
         "cell": asdict(cell),
         "overrides": list(overrides),
         "optimizer_steps": optimizer_steps,
+        "model_sha256": model,
         "summary": summary,
         "accuracy": [[run_files.optimizer_step(r), r[run_files.ACCURACY]] for r in records if run_files.ACCURACY in r],
         "split": [[run_files.optimizer_step(r), r[run_files.MISMATCH], r.get(run_files.POLICY_LAG),
@@ -162,31 +165,42 @@ def stored_record(store: Path | None, cell: Cell, overrides: list[str], optimize
     return record
 
 
-def start_accuracies(store: Path | None) -> dict[int, float]:
-    """The step-0 test accuracy per seed of the records in ``store``: every run of one seed from one prepared model
-    starts from it, whatever its recipe and lag. Raises ``StoreMismatch`` where two records of a seed disagree."""
+def start_accuracies(store: Path, records: dict[str, dict]) -> dict[int, float]:
+    """The step-0 test accuracy per seed of ``records`` (file name -> record): every run of one seed from one
+    prepared model starts from it, whatever its recipe and lag. Raises ``StoreMismatch`` where two records of a seed
+    disagree."""
     accuracies: dict[int, float] = {}
-    for path in sorted(store.glob("*.json")) if store is not None and store.is_dir() else []:
-        record = json.loads(path.read_text())
+    for name, record in records.items():
         seed, accuracy = record["cell"]["seed"], record["summary"].get("initial_accuracy")
         if accuracy is not None and accuracies.setdefault(seed, accuracy) != accuracy:
             raise StoreMismatch(f"{store} holds seed-{seed} cells from two prepared models (step-0 accuracy "
-                                f"{accuracies[seed]} and {accuracy} in {path.name})")  # fmt: skip
+                                f"{accuracies[seed]} and {accuracy} in {name})")  # fmt: skip
     return accuracies
 
 
 def check_same_model(workdir: Path, sweep: str, store: Path | None, pending: list[Cell], overrides: list[str],
-                     threads: int) -> None:  # fmt: skip
-    """Refuse to add cells to a store whose cells another prepared model trained. ``verl-sat prepare`` is
-    deterministic on one machine, but floating-point differences between CPUs can make its warm start end elsewhere,
-    so a fresh machine's workdir may hold another model: a probe (the first pending cell of a seed the store holds, at
-    lag 1 for one optimizer step, in the sweep ``<sweep>-probe``) must start from the store's step-0 accuracy."""
-    known = start_accuracies(store)
+                     threads: int, model: str) -> None:  # fmt: skip
+    """Refuse to add cells to a store whose cells another prepared model trained: a record names its model
+    (``model_sha256``, the same on every CPU since prepare runs portable floating point). A record made before that
+    field (native floating point: another CPU's prepare could land elsewhere) is checked by a probe: the first
+    pending cell of a seed such records hold, at lag 1 for one optimizer step in the sweep ``<sweep>-probe``, must
+    start from their step-0 accuracy."""
+    records = {path.name: json.loads(path.read_text())
+               for path in (sorted(store.glob("*.json")) if store is not None and store.is_dir() else [])}  # fmt: skip
+    others = sorted({r["model_sha256"] for r in records.values() if r.get("model_sha256") not in (None, model)})
+    if others:
+        raise StoreMismatch(
+            f"{workdir}'s prepared model (model_sha256 {model[:16]}) is not the one that trained cells in {store} "
+            f"({', '.join(m[:16] for m in others)}): prepare the workdir with the same verl-sat version, or use "
+            "another --store"
+        )
+    known = start_accuracies(store, {n: r for n, r in records.items() if "model_sha256" not in r})
     first = next((cell for cell in pending if cell.seed in known), None)
     if first is None:
         return
     probe = Cell(first.recipe, 1, first.seed)
-    _, record = run_cell(workdir, f"{sweep}-probe", probe, [*overrides, "trainer.total_training_steps=1"], threads)
+    _, record = run_cell(workdir, f"{sweep}-probe", probe, [*overrides, "trainer.total_training_steps=1"], threads,
+                         model)  # fmt: skip
     if record is None:
         raise RuntimeError(f"the prepared-model probe failed: see {workdir / 'sweeps' / (sweep + '-probe') / 'logs'}")
     accuracy = record["summary"]["initial_accuracy"]
@@ -199,10 +213,11 @@ def check_same_model(workdir: Path, sweep: str, store: Path | None, pending: lis
         )
 
 
-def run_cell(workdir: Path, sweep: str, cell: Cell, overrides: list[str], threads: int,
+def run_cell(workdir: Path, sweep: str, cell: Cell, overrides: list[str], threads: int, model: str,
              optimizer_steps: int | None = None, store: Path | None = None) -> tuple[Cell, dict | None]:  # fmt: skip
     """Take the cell from ``store``, or run (resume, or extend to more ``optimizer_steps``) it in its own ``verl-sat
-    train`` process; returns its record (``None`` if it failed) and writes it to ``store``."""
+    train`` process on ``workdir``'s prepared ``model`` (its ``model_sha256``); returns its record (``None`` if it
+    failed) and writes it to ``store``."""
     record = stored_record(store, cell, overrides, optimizer_steps)
     if record is not None:
         return cell, record
@@ -224,7 +239,7 @@ def run_cell(workdir: Path, sweep: str, cell: Cell, overrides: list[str], thread
             return cell, None
     # the summary's steps only: an extension interrupted before its first checkpoint logged steps beyond them
     metrics = [r for r in run_files.read_metrics(folder / "metrics.jsonl") if r["step"] <= summary["total_steps"]]
-    record = make_record(cell, overrides, optimizer_steps, summary, metrics)
+    record = make_record(cell, overrides, optimizer_steps, summary, metrics, model)
     if store is not None:
         store.mkdir(parents=True, exist_ok=True)
         run_files.write_atomic(store / f"{cell.name}.json", json.dumps(record, indent=1) + "\n")
@@ -237,6 +252,7 @@ def sweep(workdir: str | Path, recipes: list[str], lags: list[int | str], seeds:
     """Run every cell (``jobs`` at a time; ``lags`` as ``8`` or ``"fixed8"``), then write the report; returns the
     sweep folder."""
     workdir = Path(workdir)
+    model = check_prepared(workdir)["model_sha256"]
     store = None if store is None else Path(store)
     out = workdir / "sweeps" / name
     out.mkdir(parents=True, exist_ok=True)
@@ -248,11 +264,11 @@ def sweep(workdir: str | Path, recipes: list[str], lags: list[int | str], seeds:
     for cell in pending if optimizer_steps is not None else []:
         finished(run_dir(workdir, name, cell) / "summary.json", cell.trainer_steps(optimizer_steps))
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    check_same_model(workdir, name, store, pending, overrides, os.cpu_count() or 1)
+    check_same_model(workdir, name, store, pending, overrides, os.cpu_count() or 1, model)
     failed, records = [], []
     with ThreadPoolExecutor(max_workers=jobs) as pool, tqdm(total=len(cells), desc=f"sweep {name}", unit="cell",
                                                             disable=not progress) as bar:  # fmt: skip
-        futures = [pool.submit(run_cell, workdir, name, cell, overrides, threads, optimizer_steps, store)
+        futures = [pool.submit(run_cell, workdir, name, cell, overrides, threads, model, optimizer_steps, store)
                    for cell in cells]  # fmt: skip
         for future in futures:
             cell, record = future.result()
