@@ -33,6 +33,7 @@ from verl_sat.embedded.report import (
     base_settings,
     default_micro_batch_size,
     micro_batch_view,
+    model_lines,
     paired,
     write_report,
 )
@@ -76,6 +77,8 @@ def test_tiny_sweep_writes_table_and_plots(tiny_sweep):
     table = (out / "results.md").read_text()
     assert "| grpo | 1 |" in table and "| sat_gspo | 1 |" in table and "## lag1 (paper lag" in table
     assert "## fixed2 (fixed lag" in table
+    model = json.loads((workdir / "prepare.json").read_text())["model_sha256"]
+    assert f"Prepared model (`model_sha256` of `verl-sat prepare`): `{model[:16]}` (4 cells)." in table
     assert "Paper, Table 1" in table and "| sat_gspo | 34.17 | 32.71 |" in table
     with (out / "results.csv").open() as f:
         assert len(list(csv.DictReader(f))) == 4
@@ -219,6 +222,17 @@ def record(recipe, lag, seed, best, last, mismatch, regime="paper", **extra):
                         "last_epoch_mismatch": mismatch, "steps_done": 10, "total_steps": 10,
                         "best_step": 10 if last >= best else 5, "last_step": 10, **extra},
             "accuracy": [[0, 0.2], [10, best]], "split": [[10, mismatch, mismatch, 0.004]]}  # fmt: skip
+
+
+def test_report_names_the_prepared_models():
+    old = record("grpo", 8, 0, 0.4, 0.4, 0.01)
+    named = [
+        {**record("grpo", 8, s, 0.4, 0.4, 0.01), "model_sha256": m * 64} for s, m in ((1, "b"), (2, "a"), (3, "a"))
+    ]
+    assert model_lines([old]) == []
+    assert model_lines([old, *named]) == [
+        "Prepared model (`model_sha256` of `verl-sat prepare`): `aaaaaaaaaaaaaaaa` (2 cells), `bbbbbbbbbbbbbbbb` "
+        "(1 cell), not named (1 cell, made before records named their model).", ""]  # fmt: skip
 
 
 def test_aggregation_by_hand(tmp_path):

@@ -101,7 +101,8 @@ def write_report(out: Path, records: list[dict], commands: list[str], failed: li
     staleness = frontier.frontier_view(records)
     if staleness["rows"]:
         run_files.write_atomic(out / "frontier.json", json.dumps(staleness, indent=2) + "\n")
-    markdown = results_markdown(rows, pairs, commands, failed, remedies, frontier.frontier_markdown(staleness))
+    markdown = results_markdown(rows, pairs, commands, failed, remedies, frontier.frontier_markdown(staleness),
+                                model_lines(records))  # fmt: skip
     run_files.write_atomic(out / "results.md", markdown)
     plot_report(out, records, rows, pairs)
     plot_micro_batch(out, rows, pairs)
@@ -109,11 +110,30 @@ def write_report(out: Path, records: list[dict], commands: list[str], failed: li
     frontier.plot_frontier(out, staleness)
 
 
+def model_lines(records: list[dict]) -> list[str]:
+    """The prepared models that trained the cells (``model_sha256``, 16 hex digits) and their cell counts; nothing
+    where no record names its model (records made before they did)."""
+    counts: dict[str | None, int] = {}
+    for record in records:
+        counts[record.get("model_sha256")] = counts.get(record.get("model_sha256"), 0) + 1
+    if set(counts) <= {None}:
+        return []
+    parts = [f"`{model[:16]}` ({_cells(n)})" for model, n in sorted((m, n) for m, n in counts.items() if m)]
+    if None in counts:
+        parts.append(f"not named ({_cells(counts[None])}, made before records named their model)")
+    return [f"Prepared model (`model_sha256` of `verl-sat prepare`): {', '.join(parts)}.", ""]
+
+
+def _cells(n: int) -> str:
+    return f"{n} cell" if n == 1 else f"{n} cells"
+
+
 def results_markdown(rows: list[dict], pairs: list[dict], commands: list[str], failed: list[str] = (),
-                     remedies: list[dict] = (), frontier_lines: list[str] = ()) -> str:  # fmt: skip
+                     remedies: list[dict] = (), frontier_lines: list[str] = (),
+                     models: list[str] = ()) -> str:  # fmt: skip
     """Our table (one per lag and settings), the paired comparisons, the micro-batch, remedy and staleness-frontier
-    views where the rows have them, then the paper's Table 1, never mixed."""
-    lines = ["# Sweep results", "", "Commands:", "", "```bash", *commands, "```", "",
+    views where the rows have them, then the paper's Table 1, never mixed; ``models``: ``model_lines``."""
+    lines = ["# Sweep results", "", "Commands:", "", "```bash", *commands, "```", "", *models,
              "Accuracy: test avg@k, mean ± standard error over seeds (in %). Collapsed: runs whose last accuracy is "
              f"below {run_files.COLLAPSE_RATIO} x their best. Every other column is the seed mean of the run's mean "
              f"over its last {run_files.MISMATCH_TAIL:.0%} of steps: d̄π = mean |log π - log μ| of the last training "
