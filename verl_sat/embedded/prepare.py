@@ -180,7 +180,7 @@ def prepare(
     tmp = workdir / ".prepare-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "data").mkdir(parents=True)
-    torch.manual_seed(seed)  # the initial weights (prepare is single-threaded; training runs draw from generators)
+    torch.manual_seed(seed)  # the initial weights (one Python thread; training runs draw from generators)
 
     problems = make_problems(seed, spec.max_operand, spec.num_terms,
                              {"train": spec.num_train, "val": spec.num_val, "test": spec.num_test},
