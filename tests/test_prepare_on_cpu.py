@@ -174,11 +174,16 @@ def test_unreachable_band_fails_clearly_and_writes_nothing(tmp_path, capsys, mon
     small = spec
     monkeypatch.setattr(
         "verl_sat.embedded.prepare.prepare",
-        lambda workdir, seed, spec, band: prepare(workdir, seed, spec=small, band=band, progress=False),
+        lambda workdir, seed, spec, band, portable: prepare(
+            workdir, seed, spec=small, band=band, progress=False, portable=portable
+        ),
     )
     assert cli.main(["prepare", "--workdir", str(tmp_path / "w"), "--band", "0.95,1.0"]) == 1
     err = capsys.readouterr().err
     assert "the warm start missed its band: the warm start stopped at its 40 steps" in err
+    native = tmp_path / "native"
+    assert cli.main(["prepare", "--workdir", str(native), "--band", "0,1", "--native-floating-point"]) == 0
+    assert json.loads((native / MANIFEST).read_text())["floating_point"] == "native"
     with pytest.raises(SystemExit):
         cli.main(["prepare", "--band", "0.6,0.2"])
 

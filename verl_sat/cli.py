@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         type=_band,
         help="greedy validation accuracy the warm start must land in, LOW,HIGH (default 0.30,0.45)",
     )
+    prep.add_argument("--native-floating-point", action="store_true",
+                      help="this CPU's fastest kernels (about twice as fast); another CPU may then build another "
+                      "model (default: portable floating point, the same model on every x86-64 CPU)")  # fmt: skip
     run = commands.add_parser(
         "train", help="asynchronous RL on this machine: verl-sat train +recipe=NAME [+lag=lagL] [key=value ...]"
     )
@@ -122,7 +125,8 @@ def _prepare(args: argparse.Namespace) -> int:
         except WorkdirError as err:
             print(f"{err}; preparing")
     try:
-        manifest = prepare(args.workdir, args.seed, spec=SPECS[args.task], band=args.band)
+        manifest = prepare(args.workdir, args.seed, spec=SPECS[args.task], band=args.band,
+                           portable=not args.native_floating_point)  # fmt: skip
     except BandMissed as err:
         print(f"verl-sat prepare: the warm start missed its band: {err}", file=sys.stderr)
         return 1
