@@ -108,11 +108,12 @@ def test_cell_checks_fail_where_the_engine_did_not_act():
     assert _result("fsdp1").failures(4) == []
     # the bound is the reference's own difference from vLLM plus the tolerance
     assert len(_result("fsdp1", rollout_log_prob_diff=0.1 + 2 * TOLERANCES["float32"].log_prob).failures(4)) == 1
-    # bf16: without replay the engine must miss the bound by REPLAY_MARGIN
-    assert _result("fsdp1_bf16").failures(4) == []
+    # bf16: without replay within REPLAY_MARGIN x the bound, the replay check has no power: a warning, not a failure
+    assert _result("fsdp1_bf16").failures(4) == [] and _result("fsdp1_bf16").warnings() == []
     bound = 0.1 + TOLERANCES["bfloat16"].log_prob
-    missed = _result("fsdp1_bf16", no_replay_log_prob_diff=0.99 * REPLAY_MARGIN * bound).failures(4)
-    assert len(missed) == 1 and "without replay" in missed[0]
+    weak = _result("fsdp1_bf16", no_replay_log_prob_diff=0.99 * REPLAY_MARGIN * bound)
+    assert weak.failures(4) == [] and len(weak.warnings()) == 1 and "no power" in weak.warnings()[0]
+    assert _result("fsdp1", no_replay_log_prob_diff=0.0).warnings() == []  # float32: vLLM's routes are the engine's
     # dynamic batching: more micro-batches than the static split, each within the budget, read from the engine
     packed = [[1, 19], [1, 22], [1, 20], [1, 15]]
     assert _result("dynamic_bsz", update_micro_batches=packed).failures(4) == []

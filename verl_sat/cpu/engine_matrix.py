@@ -28,7 +28,8 @@ drew together with its routes (vLLM's CPU build in the cell's precision, ``pytho
    reference sets (``reference``: the unwrapped model in the cell's precision on the same routes; the bound is the
    reference's own difference from vLLM plus the cell's tolerance), with every MoE layer replayed in every
    micro-batch; the same pass without replay (the call's ``enable_routing_replay`` flag off) is reported beside it,
-   and under bf16, where vLLM's routes differ from the trainer's own, it must miss the bound by ``REPLAY_MARGIN``;
+   and under bf16, where vLLM's routes differ from the trainer's own, a miss by less than ``REPLAY_MARGIN`` is
+   reported as a warning (``CellResult.warnings``: the replay check has no power on those samples);
 2. ``compute_log_prob`` replaying *other* routes (each expert id shifted by one): it must equal the reference
    replaying the same routes, so the engine demonstrably used the routes it was given. Under LoRA the reference pass
    that verl computes in the actor with the adapters off is checked against the base model the same way, and must
@@ -79,7 +80,10 @@ class Tolerances:
 # entry (the reference replays the very micro-batches the engine formed, so both measure far below:
 # docs/routing_replay.md)
 TOLERANCES = {"float32": Tolerances(log_prob=2**-15, grad=1e-5), "bfloat16": Tolerances(log_prob=2**-8, grad=1e-3)}
-REPLAY_MARGIN = 2.0  # bf16: without replay, max |engine - vLLM| must be at least this many times the replayed bound
+# bf16: without replay, max |engine - vLLM| at this many times the replayed bound gives the replay check power on the
+# samples (a replay that fell back to the engine's own routes would fail it); below it, a warning says the samples'
+# route flips move no log-prob beyond bf16's own noise, and the shifted-routes check alone proves the replay
+REPLAY_MARGIN = 2.0
 SHIFT_EFFECT = 1e-3  # shifted routes (and LoRA's adapters) must move some log-prob by more than this (nats)
 
 # verl's actor defaults (strategy fsdp: FSDP1 with use_orig_params false; static micro-batches), on verl-sat's CPU
@@ -236,12 +240,17 @@ class CellResult:
             "SAT gated and intercepted": self.sat_gate_rate > 0 and self.sat_intercepted_frac > 0,
             f"the engine built {expected}": self.evidence == expected,
         }
-        if self.dtype == "bfloat16":
-            checks[f"without replay, {REPLAY_MARGIN}x the bound or more"] = (
-                self.no_replay_log_prob_diff >= REPLAY_MARGIN * self.bound
-            )
         checks.update(self.packing_failures())
         return [name for name, ok in checks.items() if not ok]
+
+    def warnings(self) -> list[str]:
+        """What the cell's samples could not show (empty when they show everything): under bf16, a replay check
+        without power, where the engine's own routes land within ``REPLAY_MARGIN`` x the bound of vLLM's log-probs."""
+        if self.dtype != "bfloat16" or self.no_replay_log_prob_diff >= REPLAY_MARGIN * self.bound:
+            return []
+        return [f"without replay {self.no_replay_log_prob_diff:.3g}, below {REPLAY_MARGIN}x the bound "
+                f"{self.bound:.3g}: these samples' route flips move no log-prob beyond bf16's own noise, so the "
+                "replay check has no power on them; the shifted-routes check proves the replay"]  # fmt: skip
 
     def packing_failures(self) -> dict[str, bool]:
         """How the update's micro-batches were formed, as verl's engine formed them: static cells hold
@@ -736,7 +745,7 @@ def main(argv: list[str] | None = None) -> None:
 
     hf_config = AutoConfig.from_pretrained(args.model)
     moe_layers = sum(1 for i in range(hf_config.num_hidden_layers) if i not in (hf_config.mlp_only_layers or []))
-    results, failed = [], []
+    results, failed, warned = [], [], []
     print("| cell | dtype | max abs dlog-prob vs vLLM: replayed (bound) / not replayed | vs reference: vLLM's routes "
           "/ shifted | LoRA: adapters-off pass vs base (adapter effect) | grad error (rel) | update micro-batches "
           "(sequences) | SAT gate / intercepted | R3 layers | on a CPU | s |")  # fmt: skip
@@ -754,6 +763,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{min(result.layers_replayed):.0f}-{max(result.layers_replayed):.0f} | "
               f"{CELLS[cell].cpu_note or 'runs as on a GPU'} | {result.seconds:.0f} |", flush=True)  # fmt: skip
         failed += [f"{cell}: {what}" for what in result.failures(moe_layers)]
+        warned += [f"{cell}: {what}" for what in result.warnings()]
+    if warned:
+        print("engine matrix warnings:\n  " + "\n  ".join(warned))
     if args.out:
         import json
 
