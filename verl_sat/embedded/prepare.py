@@ -51,9 +51,9 @@ MANIFEST = "prepare.json"
 FORMAT = 3  # bump when the files change meaning; `verl-sat train` refuses a workdir of another format
 DEFAULT_BAND = (0.30, 0.45)  # greedy validation accuracy after the warm start: headroom for RL
 
-# One code path on every x86-64 CPU, read when a process starts. Measured with each library's fastest kernels on one
-# machine: the warm start landed after 1,575 steps with AVX-512, 1,200 with AVX2 (ATen and MKL), and 800 on the machine
-# that trained docs/results.md's cells.
+# One code path on every x86-64 CPU, read when a process starts. Measured with native kernels on one machine: the warm
+# start landed after 1,575 steps with ATen and MKL at AVX-512, 1,200 with both at AVX2, 575 with ATen alone at AVX2;
+# 800 on the machine that trained docs/results.md's earlier cells.
 PORTABLE_FLOATING_POINT = {
     "ATEN_CPU_CAPABILITY": "default",  # ATen's kernels without CPU-specific vector code (AVX2, AVX-512)
     "MKL_CBWR": "COMPATIBLE",  # MKL's conditional numerical reproducibility: its baseline code path on every CPU
