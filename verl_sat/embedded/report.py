@@ -29,6 +29,7 @@ import csv
 import functools
 import io
 import json
+from collections import Counter
 from importlib.resources import files
 from pathlib import Path
 
@@ -113,9 +114,7 @@ def write_report(out: Path, records: list[dict], commands: list[str], failed: li
 def model_lines(records: list[dict]) -> list[str]:
     """The prepared models that trained the cells (``model_sha256``, 16 hex digits) and their cell counts; nothing
     where no record names its model (records made before they did)."""
-    counts: dict[str | None, int] = {}
-    for record in records:
-        counts[record.get("model_sha256")] = counts.get(record.get("model_sha256"), 0) + 1
+    counts = Counter(record.get("model_sha256") for record in records)
     if set(counts) <= {None}:
         return []
     parts = [f"`{model[:16]}` ({_cells(n)})" for model, n in sorted((m, n) for m, n in counts.items() if m)]
