@@ -452,6 +452,13 @@ def test_frontier_view_locates_collapse_and_pairs_within_and_across_families(tmp
     assert sorted(near[128]) == ["grpo", "sat_gspo"] and sorted(near[8]) == ["grpo", "gspo", "sat_gspo"]
     rising = {(r["recipe"], r["lag"]): r["rising"] for r in view["rows"]}  # seeds whose best is the last evaluation
     assert (rising[("sat_gspo", 8)], rising[("grpo", 8)], rising[("gspo", 8)]) == (2, 0, 3)
+    # rows still rising on 2 seeds or more run longer, with their family's base, on the seeds they ran
+    longer = {entry["lag"]: entry for entry in view["longer"]}
+    assert sorted(longer[8]["recipes"]) == ["gspo", "sat_gspo"] and sorted(longer[8]["runs"]) == ["gspo", "sat_gspo"]
+    assert longer[32]["recipes"] == ["sat_gspo"] and longer[32]["runs"] == ["sat_gspo", "gspo"]
+    assert longer[128]["seeds"] == [0, 1, 2] and set(longer) == {8, 32, 128}
+    runs = {entry["lag"]: sorted(entry["runs"]) for entry in view["near_best"]}  # the rows and their bases
+    assert runs[128] == ["grpo", "gspo", "sat_gspo"] and runs[8] == ["grpo", "gspo", "sat_gspo"]
     tests = {(t["recipe"], t["base"], t["lag"], t["metric"]): t for t in view["tests"]}
     t = tests[("sat_gspo", "gspo", 128, "last_accuracy")]
     assert t["within_family"] and t["mean_diff"] == pytest.approx(0.30) and (t["wins"], t["losses"]) == (3, 0)

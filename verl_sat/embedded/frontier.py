@@ -34,22 +34,25 @@ FAMILY = {"grpo": "grpo", "sat_grpo": "grpo", "sapo": "grpo", "cispo": "grpo", "
           "sat_gspo_token": "gspo", "geo_mean": "gspo", "gspo_icepop": "gspo", "gspo_seq_is_rs": "gspo"}  # fmt: skip
 MIN_LAGS = 3  # the view needs rows at this many paper lags
 NEAR_BEST = 0.01  # rows within this much last accuracy of a lag's best row run seeds 0-4 (the design's rule)
+RISING_SEEDS = 2  # rows whose best evaluation is the last on this many seeds run longer (the design's rule)
 METRICS = (("last_accuracy", "last_"), ("best_accuracy", ""))
 
 
 def frontier_view(records: list[dict]) -> dict:
-    """``{"rows": [...], "frontiers": [...], "tests": [...], "near_best": [...]}`` for the paper-lag records of every
-    settings with ``MIN_LAGS`` lags or more: a row per (recipe, lag, settings) (``cell_stats.aggregate`` plus
-    ``collapse_steps`` and ``rising``), a frontier entry per (recipe, settings), one test per (row, comparison base,
-    lag, metric) with its Holm-adjusted p-value, and per (lag, settings) the rows within ``NEAR_BEST`` of the best
-    mean last accuracy (they run seeds 0-4). Empty lists when no settings has enough lags."""
+    """``{"rows": [...], "frontiers": [...], "tests": [...], "near_best": [...], "longer": [...]}`` for the paper-lag
+    records of every settings with ``MIN_LAGS`` lags or more: a row per (recipe, lag, settings)
+    (``cell_stats.aggregate`` plus ``collapse_steps`` and ``rising``), a frontier entry per (recipe, settings), one
+    test per (row, comparison base, lag, metric) with its Holm-adjusted p-value, and per (lag, settings) the rows
+    within ``NEAR_BEST`` of the best mean last accuracy (they run seeds 0-4) and the rows still rising on
+    ``RISING_SEEDS`` seeds (they run longer), each with ``runs``: those rows and their family's bases. Empty lists
+    when no settings has enough lags."""
     paper = [r for r in records if r["cell"]["regime"] == "paper" and r["cell"]["lag"] > 0]
     lags_by_settings: dict[tuple, set[int]] = {}
     for record in paper:
         lags_by_settings.setdefault(cell_stats.settings(record), set()).add(record["cell"]["lag"])
     chosen = [r for r in paper if len(lags_by_settings[cell_stats.settings(r)]) >= MIN_LAGS]
     if not chosen:
-        return {"rows": [], "frontiers": [], "tests": [], "near_best": []}
+        return {"rows": [], "frontiers": [], "tests": [], "near_best": [], "longer": []}
     by_key: dict[tuple, dict[int, dict]] = {}
     for record in chosen:
         cell = record["cell"]
@@ -97,13 +100,24 @@ def frontier_view(records: list[dict]) -> dict:
     adjusted = dict(zip(distinct, holm(list(distinct.values())), strict=True))
     for test in tests:
         test["p_holm"] = adjusted[_test_key(test)]
-    near_best = []
+    near_best, longer = [], []
     for lag, settings in dict.fromkeys((r["lag"], tuple(r["settings"])) for r in rows):
         mine = [r for r in rows if (r["lag"], tuple(r["settings"])) == (lag, settings)]
         best = max(r["last_accuracy"] for r in mine)
         near = [r["recipe"] for r in mine if r["last_accuracy"] >= best - NEAR_BEST]
-        near_best.append({"lag": lag, "settings": list(settings), "best_last_accuracy": best, "recipes": near})
-    return {"rows": rows, "frontiers": frontiers, "tests": tests, "near_best": near_best}
+        near_best.append({"lag": lag, "settings": list(settings), "best_last_accuracy": best, "recipes": near,
+                          "runs": _with_bases(near)})  # fmt: skip
+        still_rising = [r for r in mine if r["rising"] >= RISING_SEEDS]
+        if still_rising:
+            seeds = sorted({s for r in still_rising for s in r["seed_list"]})
+            longer.append({"lag": lag, "settings": list(settings), "recipes": [r["recipe"] for r in still_rising],
+                           "runs": _with_bases([r["recipe"] for r in still_rising]), "seeds": seeds})  # fmt: skip
+    return {"rows": rows, "frontiers": frontiers, "tests": tests, "near_best": near_best, "longer": longer}
+
+
+def _with_bases(recipes: list[str]) -> list[str]:
+    """``recipes`` followed by their family's bases, each once: the rows to run so that every pair holds its seeds."""
+    return list(dict.fromkeys([*recipes, *(FAMILY[r] for r in recipes if r in FAMILY)]))
 
 
 def _test_key(test: dict) -> tuple:
