@@ -37,15 +37,26 @@ demo: $(STAMP)
 
 # the suite's slowest checks run with make e2e instead, to keep make test under 14 minutes on 2 cores from a clean
 # clone: those that run vLLM's CPU engine like make e2e's own runs (verl's async trainer on vLLM; the engine-matrix
-# cells on two ranks; vLLM's float32 weight reload and routes against verl's actor), and the upstream contributions'
-# tests (about 2 minutes: the generated series applied to verl 0.9.1 and the recipe laid into verl-recipe)
+# cells on two ranks; vLLM's float32 weight reload and routes against verl's actor; the installed vLLM build), the
+# upstream contributions' tests (about 2 minutes: the generated series applied to verl 0.9.1 and the recipe laid into
+# verl-recipe), and the suite's other checks of 10 s or more: the sweep's run extension and model check, the portable
+# prepare, the example scripts and entry points under --cfg job, the failed CPU plugin run and the GPU-check script
 E2E_SUITE_TESTS := tests/test_upstream_patch_on_cpu.py tests/test_upstream_recipe_on_cpu.py \
 	tests/test_cpu_e2e_on_cpu.py::test_verls_async_trainer_runs_sat_gspo_with_fsdp_routing_replay_on_vllm \
 	tests/test_engine_matrix_on_cpu.py::test_engine_matrix_cell \
 	tests/test_vllm_r3_on_cpu.py::test_vllm_returns_routes_verl_aligns_to_the_sequence \
 	tests/test_vllm_r3_on_cpu.py::test_r3_in_verls_fsdp_engine_reproduces_vllms_float32_log_probs \
 	tests/test_vllm_reload_on_cpu.py::test_reloading_the_same_weights_changes_nothing \
-	tests/test_vllm_reload_on_cpu.py::test_vllm_samples_with_the_updated_weights
+	tests/test_vllm_reload_on_cpu.py::test_vllm_samples_with_the_updated_weights \
+	tests/test_vllm_r3_on_cpu.py::test_installed_vllm_is_the_cpu_build_verl_imports \
+	tests/test_sweep_on_cpu.py::test_longer_optimizer_steps_extend_a_finished_run_as_a_run_of_that_length \
+	tests/test_sweep_on_cpu.py::test_a_store_refuses_cells_from_another_prepared_model \
+	tests/test_prepare_on_cpu.py::test_portable_floating_point_builds_one_model_whatever_the_cpus_kernels \
+	tests/test_recipes_on_cpu.py::test_example_scripts_compose \
+	tests/test_recipes_on_cpu.py::test_entry_point_cfg_job_shows_the_trainers_own_lag_keys \
+	tests/test_recipes_on_cpu.py::test_entry_point_cfg_job_for_every_lag \
+	tests/test_cpu_platform_on_cpu.py::test_a_cpu_run_whose_plugin_failed_stops_with_the_error_never_on_cuda \
+	tests/test_device_behaviour_on_cpu.py::test_the_gpu_check_script_runs_here_without_ray
 
 test: install
 	$(PY) -m pytest tests -q --durations=30 $(addprefix --deselect ,$(E2E_SUITE_TESTS))
