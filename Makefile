@@ -39,8 +39,9 @@ demo: $(STAMP)
 # clone: those that run vLLM's CPU engine like make e2e's own runs (verl's async trainer on vLLM; the engine-matrix
 # cells on two ranks; vLLM's float32 weight reload and routes against verl's actor; the installed vLLM build), the
 # upstream contributions' tests (about 2 minutes: the generated series applied to verl 0.9.1 and the recipe laid into
-# verl-recipe), and the suite's other checks of 10 s or more: the sweep's run extension and model check, the portable
-# prepare, the example scripts and entry points under --cfg job, the failed CPU plugin run and the GPU-check script
+# verl-recipe), and the other checks whose call took 10 s or more (2026-12-07, clean clone): the sweep's run
+# extension and model check, the portable prepare, the example scripts and entry points under --cfg job, the failed
+# CPU plugin run and the GPU-check script
 E2E_SUITE_TESTS := tests/test_upstream_patch_on_cpu.py tests/test_upstream_recipe_on_cpu.py \
 	tests/test_cpu_e2e_on_cpu.py::test_verls_async_trainer_runs_sat_gspo_with_fsdp_routing_replay_on_vllm \
 	tests/test_engine_matrix_on_cpu.py::test_engine_matrix_cell \
